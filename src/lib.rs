@@ -1,0 +1,25 @@
+//! Flotilla: a durable, distributed actor runtime on NATS JetStream.
+//!
+//! This facade re-exports the layers (`node → actors → transport`) and a [`prelude`].
+//! See `DESIGN.md`-level documentation in each crate:
+//!
+//! * [`transport`]: wire format, codec, the [`Broker`](transport::Broker) interface,
+//!   JetStream and embedded backends;
+//! * [`actors`]: the run loop as actix actors;
+//! * [`node`]: a process — connection, configuration, the `flotilla` CLI.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub use flotilla_actors as actors;
+pub use flotilla_node as node;
+pub use flotilla_transport as transport;
+
+/// What a job or tool usually needs in scope.
+pub mod prelude {
+    pub use flotilla_node::connect::{BrokerChoice, connect};
+    pub use flotilla_transport::broker::{
+        AckKind, Broker, BrokerError, ConsumerSpec, Delivery, OutboundMessage, SharedBroker, StreamSpec,
+    };
+    pub use flotilla_transport::wire::{Codec, CodecError, Headers, JobName, MessageId, StreamName, Subjects};
+    pub use serde::{Deserialize, Serialize};
+}

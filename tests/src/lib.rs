@@ -1,0 +1,265 @@
+//! Flotilla's integration-test harness: real `nats-server` processes on loopback.
+//!
+//! [`NatsServer::start`] runs `nats-server -js` on a free loopback port with a
+//! temporary store directory, waits until it answers `/healthz`, and kills it by PID
+//! when dropped — also when the test panics. The server is started under
+//! `setpriv --pdeathsig KILL` where available, so it dies with the test process even
+//! when that process is killed outright. [`NatsCluster::start`] starts three servers
+//! routed into one JetStream cluster.
+//!
+//! The binary is `$NATS_SERVER_BIN`, else `nats-server` on `PATH` (or `/usr/sbin`).
+//! When it is missing the harness panics with how to install it: tests never skip.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to become healthy.
+const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Finds the nats-server binary.
+///
+/// # Panics
+/// When it cannot be found, with the command that installs it.
+pub fn nats_server_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("NATS_SERVER_BIN") {
+        let bin = PathBuf::from(bin);
+        assert!(bin.is_file(), "NATS_SERVER_BIN={} is not a file", bin.display());
+        return bin;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join("nats-server"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "nats-server not found on PATH or in /usr/sbin: install it with `apt-get install -y nats-server` \
+                 (or set NATS_SERVER_BIN to its path). Integration tests need a real server and never skip."
+            )
+        })
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("cannot find a free loopback port: {e}"))
+}
+
+fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).ok()?;
+    let status = body.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body))
+}
+
+/// One running `nats-server` process.
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Option<Child>,
+    port: u16,
+    http_port: u16,
+    store: PathBuf,
+    log: PathBuf,
+    args: Vec<String>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl NatsServer {
+    /// Starts a standalone JetStream server on a free loopback port.
+    ///
+    /// # Panics
+    /// When nats-server is missing or does not become healthy (the panic shows its log).
+    pub fn start() -> Self {
+        let dir = tempfile::Builder::new().prefix("flotilla-nats-").tempdir().expect("temp dir for nats-server");
+        let port = free_port();
+        let http_port = free_port();
+        let mut server = Self::spawn(dir.path(), port, http_port, Vec::new());
+        server._dir = Some(dir);
+        server.wait_healthy();
+        server
+    }
+
+    fn spawn(dir: &Path, port: u16, http_port: u16, extra: Vec<String>) -> Self {
+        let store = dir.join("store");
+        let log = dir.join(format!("nats-{port}.log"));
+        let mut args = vec![
+            "-js".to_owned(),
+            "-a".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            port.to_string(),
+            "-m".into(),
+            http_port.to_string(),
+            "-sd".into(),
+            store.display().to_string(),
+            "-l".into(),
+            log.display().to_string(),
+        ];
+        args.extend(extra);
+        let mut server = Self { child: None, port, http_port, store, log, args, _dir: None };
+        server.launch();
+        server
+    }
+
+    fn launch(&mut self) {
+        let bin = nats_server_bin();
+        let mut cmd = if Path::new("/usr/bin/setpriv").is_file() {
+            let mut c = Command::new("/usr/bin/setpriv");
+            c.args(["--pdeathsig", "KILL", "--"]).arg(&bin);
+            c
+        } else {
+            Command::new(&bin)
+        };
+        cmd.args(&self.args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        self.child = Some(child);
+    }
+
+    /// Blocks until `/healthz` answers 200 (JetStream ready).
+    ///
+    /// # Panics
+    /// When the server exits or is not healthy within 20 s; the panic includes its log.
+    pub fn wait_healthy(&mut self) {
+        let start = Instant::now();
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!("nats-server exited at start ({status}); log:\n{}", self.log_text());
+            }
+            if let Some((200, _)) = http_get(self.http_port, "/healthz") {
+                return;
+            }
+            if start.elapsed() > READY_TIMEOUT {
+                panic!(
+                    "nats-server on port {} not healthy after {READY_TIMEOUT:?}; log:\n{}",
+                    self.port,
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// The client URL, `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's PID while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The store directory (JetStream data).
+    pub fn store_dir(&self) -> &Path {
+        &self.store
+    }
+
+    /// What the server logged so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_else(|e| format!("(no log at {}: {e})", self.log.display()))
+    }
+
+    /// Kills the server with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends a signal (`TERM`, `STOP`, `CONT`, …) to the server.
+    pub fn signal(&self, signal: &str) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status();
+        }
+    }
+
+    /// Starts the server again on the same port and store after [`kill`](Self::kill).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+        self.wait_healthy();
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Three nats-servers routed into one JetStream cluster on loopback.
+#[derive(Debug)]
+pub struct NatsCluster {
+    /// The servers, in start order.
+    pub servers: Vec<NatsServer>,
+    _dir: tempfile::TempDir,
+}
+
+impl NatsCluster {
+    /// Starts a 3-server cluster and waits until every server reports JetStream healthy
+    /// (a meta leader elected).
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`].
+    pub fn start() -> Self {
+        let dir = tempfile::Builder::new().prefix("flotilla-cluster-").tempdir().expect("temp dir for cluster");
+        let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (free_port(), free_port(), free_port())).collect();
+        let routes = ports.iter().map(|(_, _, c)| format!("nats://127.0.0.1:{c}")).collect::<Vec<_>>().join(",");
+        let servers = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (port, http, cport))| {
+                let sub = dir.path().join(format!("s{i}"));
+                std::fs::create_dir_all(&sub).expect("server dir");
+                NatsServer::spawn(
+                    &sub,
+                    *port,
+                    *http,
+                    vec![
+                        "-n".into(),
+                        format!("s{i}"),
+                        "--cluster_name".into(),
+                        "flotilla-test".into(),
+                        "--cluster".into(),
+                        format!("nats://127.0.0.1:{cport}"),
+                        "--routes".into(),
+                        routes.clone(),
+                    ],
+                )
+            })
+            .collect::<Vec<_>>();
+        let mut cluster = Self { servers, _dir: dir };
+        for s in &mut cluster.servers {
+            s.wait_healthy();
+        }
+        cluster
+    }
+
+    /// All client URLs, comma-separated.
+    pub fn urls(&self) -> String {
+        self.servers.iter().map(NatsServer::url).collect::<Vec<_>>().join(",")
+    }
+}

@@ -1,0 +1,482 @@
+//! The transport conformance suite: every case runs against the embedded broker (on
+//! tokio's paused clock) and against a real nats-server (real time), so the two
+//! backends cannot drift apart. Test names show the backend:
+//! `embedded::ack_wait_redelivery`, `jetstream::ack_wait_redelivery`.
+
+use bytes::Bytes;
+use flotilla_tests::NatsServer;
+use flotilla_transport::broker::{
+    AckKind, AckPolicy, BrokerError, ConsumerSpec, CoreMessage, KvOperation, KvSpec, OutboundMessage, Retention,
+    StreamSpec,
+};
+use flotilla_transport::{EmbeddedBroker, JetStreamBroker, JetStreamOptions, SharedBroker};
+use futures::StreamExt;
+use std::time::Duration;
+use tokio::time::{Instant, sleep, timeout};
+
+/// Runs each named case on both backends.
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod embedded {
+            $(
+                #[tokio::test(start_paused = true)]
+                async fn $case() {
+                    super::cases::$case(flotilla_transport::EmbeddedBroker::new().shared()).await;
+                }
+            )*
+        }
+        mod jetstream {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    let server = flotilla_tests::NatsServer::start();
+                    let broker = super::connect(&server).await;
+                    super::cases::$case(broker).await;
+                    drop(server);
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    publish_claim_ack,
+    claim_never_exceeds_max,
+    claim_waits_for_the_first_message,
+    ack_wait_redelivery_counts_deliveries,
+    nak_with_delay,
+    in_progress_extends_ack_wait,
+    max_deliveries_strands_the_message,
+    term_removes_from_work_queue,
+    dedupe_by_message_id,
+    ack_all_acks_the_prefix,
+    publish_batch_is_ordered,
+    publish_expectation_is_checked,
+    publish_without_stream_is_refused,
+    get_and_delete_by_sequence,
+    kv_create_race_has_one_winner,
+    kv_compare_and_set,
+    kv_expiry,
+    kv_watch_sees_current_then_changes,
+    request_reply,
+    request_with_no_responders,
+    request_timeout,
+    provisioning_twice_is_a_no_op,
+    mismatching_config_is_refused,
+    missing_objects_are_typed_errors,
+);
+
+async fn connect(server: &NatsServer) -> SharedBroker {
+    JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect to test nats-server").shared()
+}
+
+#[test]
+fn embedded_and_jetstream_report_their_kind() {
+    use flotilla_transport::broker::BrokerKind;
+    assert_eq!(flotilla_transport::Broker::server(&EmbeddedBroker::new()).kind, BrokerKind::Embedded);
+}
+
+mod cases {
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    fn queue_spec() -> StreamSpec {
+        StreamSpec::new("Q", vec!["q.>".into()], Retention::WorkQueue)
+    }
+
+    fn consumer(name: &str, ack_wait_ms: u64) -> ConsumerSpec {
+        ConsumerSpec { ack_wait: Duration::from_millis(ack_wait_ms), ..ConsumerSpec::new(name) }
+    }
+
+    async fn queue(b: &SharedBroker, ack_wait_ms: u64) {
+        b.ensure_stream(queue_spec()).await.expect("stream");
+        b.ensure_consumer("Q", consumer("w", ack_wait_ms)).await.expect("consumer");
+    }
+
+    async fn publish(b: &SharedBroker, subject: &str, body: &str) -> u64 {
+        b.publish(OutboundMessage::new(subject, Bytes::from(body.to_owned()))).await.expect("publish").seq
+    }
+
+    pub async fn publish_claim_ack(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        for i in 0..3 {
+            let msg = OutboundMessage::new("q.a", Bytes::from(format!("m{i}")))
+                .with_id(format!("id-{i}"))
+                .with_header("Flotilla-Key", format!("k{i}"));
+            let ack = b.publish(msg).await.expect("publish");
+            assert_eq!((ack.stream.as_str(), ack.seq, ack.duplicate), ("Q", i + 1, false));
+        }
+        let got = b.claim("Q", "w", 10, WAIT).await.expect("claim");
+        assert_eq!(got.len(), 3);
+        for (i, d) in got.iter().enumerate() {
+            assert_eq!(d.payload, Bytes::from(format!("m{i}")));
+            assert_eq!(d.subject, "q.a");
+            assert_eq!(d.headers.msg_id(), Some(format!("id-{i}").as_str()));
+            assert_eq!(d.headers.get("Flotilla-Key"), Some(format!("k{i}").as_str()));
+            assert_eq!((d.info.stream_seq, d.info.delivered), (i as u64 + 1, 1));
+            assert_eq!(d.info.pending, 2 - i as u64);
+            assert_eq!(&*d.info.stream, "Q");
+        }
+        for d in &got {
+            b.ack_confirmed(&d.token, AckKind::Ack).await.expect("ack");
+        }
+        let c = b.consumer_state("Q", "w").await.expect("state");
+        assert_eq!((c.num_pending, c.num_ack_pending, c.ack_floor), (0, 0, 3));
+        assert_eq!(b.stream_state("Q").await.expect("stream").messages, 0, "work queue removes acked messages");
+        assert!(b.claim("Q", "w", 10, Duration::from_millis(200)).await.expect("claim").is_empty());
+    }
+
+    pub async fn claim_never_exceeds_max(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let msgs: Vec<_> = (0..10).map(|i| OutboundMessage::new("q.a", Bytes::from(vec![i]))).collect();
+        assert!(b.publish_batch(msgs).await.iter().all(Result::is_ok));
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            let got = b.claim("Q", "w", 3, WAIT).await.expect("claim");
+            assert!(got.len() <= 3, "claimed {} with max 3", got.len());
+            seen.extend(got.iter().map(|d| d.info.stream_seq));
+        }
+        assert_eq!(seen, (1..=10).collect::<Vec<_>>());
+        assert!(b.claim("Q", "w", 0, WAIT).await.expect("claim 0").is_empty());
+    }
+
+    pub async fn claim_waits_for_the_first_message(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let started = Instant::now();
+        let got = b.claim("Q", "w", 5, Duration::from_millis(500)).await.expect("claim");
+        assert!(got.is_empty());
+        assert!(started.elapsed() >= Duration::from_millis(450), "returned after {:?}", started.elapsed());
+        let b2 = b.clone();
+        let publisher = tokio::spawn(async move {
+            sleep(Duration::from_millis(300)).await;
+            publish(&b2, "q.a", "late").await
+        });
+        let started = Instant::now();
+        let got = b.claim("Q", "w", 5, Duration::from_secs(10)).await.expect("claim");
+        assert_eq!(got.len(), 1, "returns once one message is there");
+        assert!(started.elapsed() < Duration::from_secs(5), "waited {:?}", started.elapsed());
+        publisher.await.expect("publisher");
+    }
+
+    pub async fn ack_wait_redelivery_counts_deliveries(b: SharedBroker) {
+        queue(&b, 1_000).await;
+        publish(&b, "q.a", "x").await;
+        let first = b.claim("Q", "w", 1, WAIT).await.expect("claim");
+        assert_eq!(first[0].info.delivered, 1);
+        let started = Instant::now();
+        let again = b.claim("Q", "w", 1, WAIT).await.expect("claim");
+        assert_eq!(again.len(), 1, "redelivered after ack-wait");
+        assert_eq!(again[0].info.stream_seq, first[0].info.stream_seq);
+        assert_eq!(again[0].info.delivered, 2);
+        assert!(started.elapsed() >= Duration::from_millis(700), "too early: {:?}", started.elapsed());
+        let c = b.consumer_state("Q", "w").await.expect("state");
+        assert_eq!((c.num_ack_pending, c.num_redelivered), (1, 1));
+        b.ack_confirmed(&again[0].token, AckKind::Ack).await.expect("ack");
+        assert!(b.claim("Q", "w", 1, Duration::from_millis(1500)).await.expect("claim").is_empty());
+    }
+
+    pub async fn nak_with_delay(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        publish(&b, "q.a", "x").await;
+        let d = b.claim("Q", "w", 1, WAIT).await.expect("claim").remove(0);
+        let naked = Instant::now();
+        b.ack_confirmed(&d.token, AckKind::Nak(Some(Duration::from_millis(1500)))).await.expect("nak");
+        assert!(b.claim("Q", "w", 1, Duration::from_millis(700)).await.expect("claim").is_empty(), "too early");
+        let again = b.claim("Q", "w", 1, WAIT).await.expect("claim");
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].info.delivered, 2);
+        let after = naked.elapsed();
+        assert!(after >= Duration::from_millis(1400) && after < Duration::from_secs(4), "redelivered after {after:?}");
+        // A nak without delay redelivers at once.
+        b.ack_confirmed(&again[0].token, AckKind::Nak(None)).await.expect("nak");
+        let third = b.claim("Q", "w", 1, Duration::from_secs(1)).await.expect("claim");
+        assert_eq!(third.first().map(|d| d.info.delivered), Some(3));
+    }
+
+    pub async fn in_progress_extends_ack_wait(b: SharedBroker) {
+        queue(&b, 1_000).await;
+        publish(&b, "q.a", "x").await;
+        let d = b.claim("Q", "w", 1, WAIT).await.expect("claim").remove(0);
+        for _ in 0..4 {
+            sleep(Duration::from_millis(500)).await;
+            b.ack_confirmed(&d.token, AckKind::InProgress).await.expect("wpi");
+        }
+        // 2 s after delivery with a 1 s ack-wait: still ours.
+        assert!(b.claim("Q", "w", 1, Duration::from_millis(400)).await.expect("claim").is_empty(), "redelivered");
+        let again = b.claim("Q", "w", 1, WAIT).await.expect("claim");
+        assert_eq!(again.first().map(|d| d.info.delivered), Some(2), "redelivered once progress stops");
+    }
+
+    pub async fn max_deliveries_strands_the_message(b: SharedBroker) {
+        b.ensure_stream(queue_spec()).await.expect("stream");
+        let spec = ConsumerSpec { max_deliver: Some(2), ..consumer("w", 500) };
+        b.ensure_consumer("Q", spec).await.expect("consumer");
+        let mut advisories =
+            b.subscribe("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.Q.w", None).await.expect("subscribe advisories");
+        publish(&b, "q.a", "poison").await;
+        assert_eq!(b.claim("Q", "w", 1, WAIT).await.expect("claim")[0].info.delivered, 1);
+        assert_eq!(b.claim("Q", "w", 1, WAIT).await.expect("claim")[0].info.delivered, 2);
+        assert!(b.claim("Q", "w", 1, Duration::from_secs(2)).await.expect("claim").is_empty(), "a third delivery");
+        let advisory = timeout(WAIT, advisories.next()).await.expect("advisory in time").expect("advisory");
+        let v: serde_json::Value = serde_json::from_slice(&advisory.payload).expect("advisory json");
+        assert_eq!(v["stream_seq"], 1);
+        assert_eq!(v["deliveries"], 2);
+        let s = b.stream_state("Q").await.expect("stream");
+        assert_eq!(s.messages, 1, "the message stays in the stream (the DLQ move is ours)");
+        let c = b.consumer_state("Q", "w").await.expect("consumer");
+        assert_eq!((c.num_pending, c.num_ack_pending, c.ack_floor), (0, 0, 0));
+        assert!(b.get_message("Q", 1).await.expect("get").is_some());
+    }
+
+    pub async fn term_removes_from_work_queue(b: SharedBroker) {
+        queue(&b, 500).await;
+        publish(&b, "q.a", "x").await;
+        let d = b.claim("Q", "w", 1, WAIT).await.expect("claim").remove(0);
+        b.ack_confirmed(&d.token, AckKind::Term).await.expect("term");
+        assert!(b.claim("Q", "w", 1, Duration::from_millis(1500)).await.expect("claim").is_empty());
+        assert_eq!(b.stream_state("Q").await.expect("stream").messages, 0);
+    }
+
+    pub async fn dedupe_by_message_id(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let first = b.publish(OutboundMessage::new("q.a", "one").with_id("same")).await.expect("publish");
+        let again = b.publish(OutboundMessage::new("q.a", "two").with_id("same")).await.expect("publish");
+        assert!(!first.duplicate);
+        assert!(again.duplicate);
+        assert_eq!(again.seq, first.seq);
+        let other = b.publish(OutboundMessage::new("q.a", "three").with_id("other")).await.expect("publish");
+        assert_eq!(other.seq, first.seq + 1);
+        let got = b.claim("Q", "w", 10, WAIT).await.expect("claim");
+        let bodies: Vec<_> = got.iter().map(|d| d.payload.clone()).collect();
+        assert_eq!(bodies, vec![Bytes::from("one"), Bytes::from("three")]);
+    }
+
+    pub async fn ack_all_acks_the_prefix(b: SharedBroker) {
+        b.ensure_stream(StreamSpec::new("O", vec!["o.*".into()], Retention::Limits)).await.expect("stream");
+        let spec = ConsumerSpec {
+            filter_subject: Some("o.1".into()),
+            ack_policy: AckPolicy::All,
+            max_deliver: None,
+            ..consumer("p1", 1_000)
+        };
+        b.ensure_consumer("O", spec).await.expect("consumer");
+        for i in 0..5 {
+            publish(&b, "o.1", &format!("{i}")).await;
+            publish(&b, "o.2", "other partition").await;
+        }
+        let got = b.claim("O", "p1", 10, WAIT).await.expect("claim");
+        let seqs: Vec<u64> = got.iter().map(|d| d.info.stream_seq).collect();
+        assert_eq!(seqs, vec![1, 3, 5, 7, 9], "filter keeps to one partition, in order");
+        b.ack_confirmed(&got[2].token, AckKind::Ack).await.expect("ack third");
+        let c = b.consumer_state("O", "p1").await.expect("state");
+        assert_eq!((c.ack_floor, c.num_ack_pending), (5, 2));
+        let again = b.claim("O", "p1", 10, WAIT).await.expect("claim");
+        let seqs: Vec<u64> = again.iter().map(|d| d.info.stream_seq).collect();
+        assert_eq!(seqs, vec![7, 9], "only the unacked suffix comes back");
+        assert_eq!(b.stream_state("O").await.expect("stream").messages, 10, "limits retention keeps everything");
+    }
+
+    pub async fn publish_batch_is_ordered(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let msgs: Vec<_> = (0..200u32)
+            .map(|i| OutboundMessage::new("q.a", Bytes::from(i.to_be_bytes().to_vec())).with_id(format!("b{i}")))
+            .collect();
+        let acks = b.publish_batch(msgs).await;
+        let seqs: Vec<u64> = acks.into_iter().map(|a| a.expect("ack").seq).collect();
+        assert_eq!(seqs, (1..=200).collect::<Vec<_>>());
+        let mixed = vec![OutboundMessage::new("q.a", "ok"), OutboundMessage::new("nowhere", "lost")];
+        let acks = b.publish_batch(mixed).await;
+        assert!(acks[0].is_ok());
+        assert!(matches!(acks[1], Err(BrokerError::NoStream { .. })), "{:?}", acks[1]);
+    }
+
+    pub async fn publish_expectation_is_checked(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let mut m = OutboundMessage::new("q.x", "first");
+        m.expected_last_subject_seq = Some(0);
+        assert_eq!(b.publish(m.clone()).await.expect("first").seq, 1);
+        let err = b.publish(m).await.expect_err("second with expectation 0");
+        assert!(matches!(err, BrokerError::WrongLastSequence { expected: 0, .. }), "{err}");
+    }
+
+    pub async fn publish_without_stream_is_refused(b: SharedBroker) {
+        let err = b.publish(OutboundMessage::new("nobody.listens", "x")).await.expect_err("no stream");
+        assert!(matches!(err, BrokerError::NoStream { .. }), "{err}");
+        assert!(err.to_string().contains("nobody.listens"));
+    }
+
+    pub async fn get_and_delete_by_sequence(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let seq =
+            b.publish(OutboundMessage::new("q.a", "keep").with_id("g1").with_header("X-A", "1")).await.expect("p").seq;
+        let m = b.get_message("Q", seq).await.expect("get").expect("present");
+        assert_eq!(
+            (m.subject.as_str(), m.payload.clone(), m.headers.get("X-A")),
+            ("q.a", Bytes::from("keep"), Some("1"))
+        );
+        assert!(b.delete_message("Q", seq).await.expect("delete"));
+        assert!(b.get_message("Q", seq).await.expect("get").is_none());
+        assert!(!b.delete_message("Q", seq).await.expect("delete again"));
+        assert!(b.get_message("Q", 999).await.expect("get").is_none());
+    }
+
+    async fn bucket(b: &SharedBroker, ttl: Option<Duration>) {
+        b.ensure_kv(KvSpec::new("LEASES", ttl)).await.expect("bucket");
+    }
+
+    pub async fn kv_create_race_has_one_winner(b: SharedBroker) {
+        bucket(&b, None).await;
+        for round in 0..5 {
+            let key = format!("p.{round}");
+            let (x, y) = tokio::join!(
+                b.kv_create("LEASES", &key, Bytes::from("node-a")),
+                b.kv_create("LEASES", &key, Bytes::from("node-b"))
+            );
+            let wins = [&x, &y].iter().filter(|r| r.is_ok()).count();
+            assert_eq!(wins, 1, "round {round}: {x:?} {y:?}");
+            let loser = if x.is_ok() { y } else { x };
+            assert!(matches!(loser, Err(BrokerError::KvKeyExists { .. })), "{loser:?}");
+        }
+    }
+
+    pub async fn kv_compare_and_set(b: SharedBroker) {
+        bucket(&b, None).await;
+        let r1 = b.kv_create("LEASES", "p.0", Bytes::from("a")).await.expect("create");
+        let r2 = b.kv_update("LEASES", "p.0", Bytes::from("b"), r1).await.expect("update");
+        assert!(r2 > r1);
+        let stale = b.kv_update("LEASES", "p.0", Bytes::from("c"), r1).await.expect_err("stale revision");
+        assert!(matches!(stale, BrokerError::KvWrongRevision { expected, .. } if expected == r1), "{stale}");
+        let e = b.kv_get("LEASES", "p.0").await.expect("get").expect("entry");
+        assert_eq!((e.value, e.revision, e.operation), (Bytes::from("b"), r2, KvOperation::Put));
+        let wrong = b.kv_delete("LEASES", "p.0", Some(r1)).await.expect_err("delete at stale revision");
+        assert!(matches!(wrong, BrokerError::KvWrongRevision { .. }), "{wrong}");
+        b.kv_delete("LEASES", "p.0", Some(r2)).await.expect("delete");
+        assert!(b.kv_get("LEASES", "p.0").await.expect("get").is_none());
+        assert!(b.kv_keys("LEASES").await.expect("keys").is_empty());
+        let r3 = b.kv_create("LEASES", "p.0", Bytes::from("again")).await.expect("create over a delete");
+        assert!(r3 > r2);
+        let r4 = b.kv_put("LEASES", "p.1", Bytes::from("x")).await.expect("put");
+        assert!(r4 > r3);
+        assert_eq!(b.kv_keys("LEASES").await.expect("keys"), vec!["p.0".to_string(), "p.1".to_string()]);
+        assert!(b.kv_get("LEASES", "bad key").await.is_err(), "invalid keys are refused");
+    }
+
+    pub async fn kv_expiry(b: SharedBroker) {
+        bucket(&b, Some(Duration::from_secs(1))).await;
+        let r1 = b.kv_create("LEASES", "p.0", Bytes::from("a")).await.expect("create");
+        assert!(b.kv_create("LEASES", "p.0", Bytes::from("b")).await.is_err(), "held");
+        sleep(Duration::from_millis(2500)).await;
+        assert!(b.kv_get("LEASES", "p.0").await.expect("get").is_none(), "expired");
+        let renew = b.kv_update("LEASES", "p.0", Bytes::from("a"), r1).await;
+        assert!(
+            matches!(renew, Err(BrokerError::KvWrongRevision { .. })),
+            "an expired lease cannot be renewed: {renew:?}"
+        );
+        let r2 = b.kv_create("LEASES", "p.0", Bytes::from("b")).await.expect("create after expiry");
+        assert!(r2 > r1, "revisions keep growing: {r1} then {r2}");
+    }
+
+    pub async fn kv_watch_sees_current_then_changes(b: SharedBroker) {
+        bucket(&b, None).await;
+        b.kv_put("LEASES", "p.0", Bytes::from("a")).await.expect("put");
+        let mut w = b.kv_watch("LEASES", ">").await.expect("watch");
+        let first = timeout(WAIT, w.next()).await.expect("in time").expect("entry").expect("ok");
+        assert_eq!((first.key.as_str(), first.value.clone()), ("p.0", Bytes::from("a")));
+        b.kv_put("LEASES", "p.1", Bytes::from("b")).await.expect("put");
+        let second = timeout(WAIT, w.next()).await.expect("in time").expect("entry").expect("ok");
+        assert_eq!((second.key.as_str(), second.operation), ("p.1", KvOperation::Put));
+        b.kv_delete("LEASES", "p.0", None).await.expect("delete");
+        let third = timeout(WAIT, w.next()).await.expect("in time").expect("entry").expect("ok");
+        assert_eq!((third.key.as_str(), third.operation), ("p.0", KvOperation::Delete));
+    }
+
+    pub async fn request_reply(b: SharedBroker) {
+        let mut sub = b.subscribe("svc.echo", Some("nodes")).await.expect("subscribe");
+        b.flush().await.expect("flush");
+        let responder = b.clone();
+        let task = tokio::spawn(async move {
+            let req = sub.next().await.expect("request");
+            let reply = req.reply.expect("reply subject");
+            let mut out = CoreMessage::new(reply, Bytes::from([b"echo:".as_slice(), &req.payload].concat()));
+            out.headers.insert("X-Req", req.headers.get("X-Req").unwrap_or("?"));
+            responder.core_publish(out).await.expect("reply");
+        });
+        let mut req = CoreMessage::new("svc.echo", "hi");
+        req.headers.insert("X-Req", "7");
+        let reply = b.request(req, WAIT).await.expect("reply");
+        assert_eq!(reply.payload, Bytes::from("echo:hi"));
+        assert_eq!(reply.headers.get("X-Req"), Some("7"));
+        task.await.expect("responder");
+    }
+
+    pub async fn request_with_no_responders(b: SharedBroker) {
+        let started = Instant::now();
+        let err = b.request(CoreMessage::new("svc.nobody", "x"), WAIT).await.expect_err("no responders");
+        assert!(matches!(err, BrokerError::NoResponders { .. }), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(2), "no-responders is immediate, took {:?}", started.elapsed());
+    }
+
+    pub async fn request_timeout(b: SharedBroker) {
+        let _silent = b.subscribe("svc.silent", None).await.expect("subscribe");
+        b.flush().await.expect("flush");
+        let started = Instant::now();
+        let err =
+            b.request(CoreMessage::new("svc.silent", "x"), Duration::from_millis(500)).await.expect_err("timeout");
+        assert!(matches!(err, BrokerError::TimedOut { .. }), "{err}");
+        assert!(started.elapsed() >= Duration::from_millis(450), "{:?}", started.elapsed());
+    }
+
+    pub async fn provisioning_twice_is_a_no_op(b: SharedBroker) {
+        let first = b.ensure_stream(queue_spec()).await.expect("stream");
+        b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("consumer");
+        publish(&b, "q.a", "kept").await;
+        let second = b.ensure_stream(queue_spec()).await.expect("stream again");
+        assert_eq!((first.messages, second.messages, second.last_seq), (0, 1, 1));
+        let c = b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("consumer again");
+        assert_eq!(c.num_pending, 1);
+        assert_eq!(c.spec, consumer("w", 30_000), "read back equals what was asked");
+        b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(15)))).await.expect("kv");
+        b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(15)))).await.expect("kv again");
+    }
+
+    pub async fn mismatching_config_is_refused(b: SharedBroker) {
+        b.ensure_stream(queue_spec()).await.expect("stream");
+        b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("consumer");
+        let mut other = queue_spec();
+        other.max_age = Some(Duration::from_secs(3600));
+        let err = b.ensure_stream(other).await.expect_err("max_age differs");
+        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "max_age"), "{err}");
+        assert!(err.to_string().contains("stream Q") && err.to_string().contains("nothing was changed"), "{err}");
+        let mut other = queue_spec();
+        other.retention = Retention::Limits;
+        assert!(matches!(b.ensure_stream(other).await, Err(BrokerError::ConfigMismatch { .. })));
+        let err = b.ensure_consumer("Q", consumer("w", 5_000)).await.expect_err("ack_wait differs");
+        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "ack_wait"), "{err}");
+        // Nothing changed: the original configuration is still accepted.
+        b.ensure_stream(queue_spec()).await.expect("original stream");
+        b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("original consumer");
+        b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(15)))).await.expect("kv");
+        let err = b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(60)))).await.expect_err("kv ttl differs");
+        assert!(err.to_string().contains("KV bucket NODES"), "{err}");
+    }
+
+    pub async fn missing_objects_are_typed_errors(b: SharedBroker) {
+        assert!(matches!(b.stream_state("NOPE").await, Err(BrokerError::StreamNotFound { .. })));
+        assert!(matches!(
+            b.claim("NOPE", "w", 1, Duration::from_millis(100)).await,
+            Err(BrokerError::StreamNotFound { .. })
+        ));
+        b.ensure_stream(queue_spec()).await.expect("stream");
+        assert!(matches!(b.consumer_state("Q", "nope").await, Err(BrokerError::ConsumerNotFound { .. })));
+        assert!(matches!(
+            b.claim("Q", "nope", 1, Duration::from_millis(100)).await,
+            Err(BrokerError::ConsumerNotFound { .. })
+        ));
+        assert!(matches!(b.kv_get("NOBUCKET", "k").await, Err(BrokerError::BucketNotFound { .. })));
+        assert!(matches!(
+            b.ensure_consumer("NOPE", consumer("w", 1000)).await,
+            Err(BrokerError::StreamNotFound { .. })
+        ));
+    }
+}

@@ -1,0 +1,161 @@
+use crate::wire::{CodecError, NameError};
+
+/// What went wrong talking to the broker. Every message says what to do about it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BrokerError {
+    /// The server could not be reached at connect time.
+    #[error(
+        "cannot reach NATS at {url}: {reason}; is nats-server running with JetStream (-js)? \
+         Install it with `apt-get install nats-server`, or run without --nats to use the embedded broker"
+    )]
+    Unreachable {
+        /// The URL(s) tried.
+        url: String,
+        /// The connection error.
+        reason: String,
+    },
+    /// The server answers but has JetStream disabled.
+    #[error("the NATS server at {url} has JetStream disabled: start it with `nats-server -js`")]
+    JetStreamDisabled {
+        /// The server URL.
+        url: String,
+    },
+    /// The connection is down right now; the operation may succeed after reconnecting.
+    #[error("NATS connection unavailable during {operation}: {reason}")]
+    Disconnected {
+        /// What was attempted.
+        operation: String,
+        /// The transport error.
+        reason: String,
+    },
+    /// A stream does not exist.
+    #[error("stream {stream} does not exist; it is created when the job that owns it starts")]
+    StreamNotFound {
+        /// The stream name.
+        stream: String,
+    },
+    /// A consumer does not exist.
+    #[error("consumer {consumer} of stream {stream} does not exist")]
+    ConsumerNotFound {
+        /// The stream name.
+        stream: String,
+        /// The consumer name.
+        consumer: String,
+    },
+    /// No stream takes the subject of a JetStream publish.
+    #[error("no stream takes subject {subject}; provision the stream before publishing")]
+    NoStream {
+        /// The subject published to.
+        subject: String,
+    },
+    /// An existing stream, consumer or bucket has another configuration than wanted.
+    #[error(
+        "{object} exists with {field} = {existing}, but this job wants {wanted}; nothing was changed. \
+         Delete or migrate it (for example `nats stream rm`), or change the job's settings to match"
+    )]
+    ConfigMismatch {
+        /// `stream X`, `consumer X of stream Y` or `KV bucket X`.
+        object: String,
+        /// The differing field.
+        field: String,
+        /// The value found.
+        existing: String,
+        /// The value wanted.
+        wanted: String,
+    },
+    /// A publish expectation (`expected_last_subject_seq`) failed.
+    #[error("publish to {subject} refused: expected last sequence {expected} but it is {actual}")]
+    WrongLastSequence {
+        /// The subject.
+        subject: String,
+        /// The expected sequence.
+        expected: u64,
+        /// The actual last sequence (0 when unknown).
+        actual: u64,
+    },
+    /// A KV bucket does not exist.
+    #[error("KV bucket {bucket} does not exist")]
+    BucketNotFound {
+        /// The bucket name.
+        bucket: String,
+    },
+    /// `kv_create` on a key that has a live value.
+    #[error("key {key} in bucket {bucket} already exists")]
+    KvKeyExists {
+        /// The bucket.
+        bucket: String,
+        /// The key.
+        key: String,
+    },
+    /// `kv_update` / `kv_delete` with a revision that is no longer current.
+    #[error("key {key} in bucket {bucket} is no longer at revision {expected}")]
+    KvWrongRevision {
+        /// The bucket.
+        bucket: String,
+        /// The key.
+        key: String,
+        /// The revision the caller expected.
+        expected: u64,
+    },
+    /// A request found nobody listening on its subject.
+    #[error("no responders on {subject}: no node of the job is listening")]
+    NoResponders {
+        /// The subject.
+        subject: String,
+    },
+    /// An operation did not complete in time.
+    #[error("{operation} timed out after {after:?}")]
+    TimedOut {
+        /// What was attempted.
+        operation: String,
+        /// How long it waited.
+        after: std::time::Duration,
+    },
+    /// A feature the server does not support.
+    #[error("{feature} needs nats-server {needs} or newer, but the server is {server}")]
+    Unsupported {
+        /// The feature.
+        feature: String,
+        /// The minimum server version.
+        needs: String,
+        /// The server's version.
+        server: String,
+    },
+    /// The payload is over the server's `max_payload`.
+    #[error("message of {size} bytes exceeds the server's max_payload of {limit} bytes")]
+    PayloadTooLarge {
+        /// The message size.
+        size: usize,
+        /// The server's limit.
+        limit: usize,
+    },
+    /// A name broke the naming rule.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// A payload could not be encoded or decoded.
+    #[error(transparent)]
+    Codec(#[from] CodecError),
+    /// Any other error the server or client reported.
+    #[error("{operation} failed: {reason}")]
+    Other {
+        /// What was attempted.
+        operation: String,
+        /// The error as reported.
+        reason: String,
+    },
+}
+
+impl BrokerError {
+    /// Whether retrying later may succeed (the broker is unreachable or slow), as opposed
+    /// to a refusal that will repeat.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            BrokerError::Disconnected { .. } | BrokerError::TimedOut { .. } | BrokerError::Unreachable { .. }
+        )
+    }
+
+    pub(crate) fn other(operation: impl Into<String>, reason: impl std::fmt::Display) -> Self {
+        BrokerError::Other { operation: operation.into(), reason: reason.to_string() }
+    }
+}

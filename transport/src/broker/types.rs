@@ -1,0 +1,534 @@
+use crate::wire::Headers;
+use bytes::Bytes;
+use std::{fmt, sync::Arc, time::Duration, time::SystemTime};
+
+/// Which backend a broker is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerKind {
+    /// NATS JetStream over the network.
+    JetStream,
+    /// The in-process embedded broker.
+    Embedded,
+}
+
+/// A server version, `major.minor.patch`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version {
+    /// Major version.
+    pub major: u32,
+    /// Minor version.
+    pub minor: u32,
+    /// Patch version.
+    pub patch: u32,
+}
+
+impl Version {
+    /// A version from its parts.
+    pub const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        Self { major, minor, patch }
+    }
+
+    /// Parses `2.9.10`, `v2.10.0-beta.1` and the like; `None` when there are no numbers.
+    pub fn parse(text: &str) -> Option<Self> {
+        let core = text.trim().trim_start_matches('v');
+        let core = core.split(['-', '+', ' ']).next().unwrap_or("");
+        let mut parts = core.split('.').map(|p| p.parse::<u32>());
+        let major = parts.next()?.ok()?;
+        let minor = parts.next().unwrap_or(Ok(0)).ok()?;
+        let patch = parts.next().unwrap_or(Ok(0)).ok()?;
+        Some(Self { major, minor, patch })
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// A broker feature that only some servers have. Flotilla gates on these instead of
+/// trusting a request that "succeeded" (2.9 silently ignores fields it does not know).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Feature {
+    /// Consumers with several filter subjects (2.10).
+    MultiFilter,
+    /// Consumer pause/resume (2.11).
+    ConsumerPause,
+    /// Per-message TTL and KV limit markers (2.11).
+    MessageTtl,
+    /// `+TERM <reason>` (2.11; 2.9 treats it as unknown and redelivers).
+    TermWithReason,
+    /// Priority groups: overflow and pinned client (2.11).
+    PriorityGroups,
+    /// Native delayed delivery with `Nats-Schedule: @at` (2.12).
+    MessageSchedules,
+    /// Atomic batch publish (2.12).
+    AtomicBatch,
+    /// Consumer reset to a sequence (2.14).
+    ConsumerReset,
+}
+
+impl Feature {
+    /// Every feature, for listings.
+    pub const ALL: [Feature; 8] = [
+        Feature::MultiFilter,
+        Feature::ConsumerPause,
+        Feature::MessageTtl,
+        Feature::TermWithReason,
+        Feature::PriorityGroups,
+        Feature::MessageSchedules,
+        Feature::AtomicBatch,
+        Feature::ConsumerReset,
+    ];
+
+    /// The oldest nats-server that has the feature.
+    pub fn min_version(self) -> Version {
+        match self {
+            Feature::MultiFilter => Version::new(2, 10, 0),
+            Feature::ConsumerPause | Feature::MessageTtl | Feature::TermWithReason | Feature::PriorityGroups => {
+                Version::new(2, 11, 0)
+            }
+            Feature::MessageSchedules | Feature::AtomicBatch => Version::new(2, 12, 0),
+            Feature::ConsumerReset => Version::new(2, 14, 0),
+        }
+    }
+
+    /// A short name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Feature::MultiFilter => "multi-filter consumers",
+            Feature::ConsumerPause => "consumer pause",
+            Feature::MessageTtl => "per-message TTL",
+            Feature::TermWithReason => "TERM with reason",
+            Feature::PriorityGroups => "priority groups",
+            Feature::MessageSchedules => "message schedules",
+            Feature::AtomicBatch => "atomic batch publish",
+            Feature::ConsumerReset => "consumer reset",
+        }
+    }
+}
+
+/// What the connected broker is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    /// The backend.
+    pub kind: BrokerKind,
+    /// The server version (for the embedded broker: the level of JetStream it models).
+    pub version: Version,
+    /// The server's name or id.
+    pub name: String,
+    /// The largest payload the server accepts, in bytes.
+    pub max_payload: usize,
+    /// Features the embedded broker implements regardless of version.
+    pub(crate) extra: Vec<Feature>,
+}
+
+impl ServerInfo {
+    /// Whether the broker supports `feature`.
+    pub fn supports(&self, feature: Feature) -> bool {
+        match self.kind {
+            BrokerKind::JetStream => self.version >= feature.min_version(),
+            BrokerKind::Embedded => self.extra.contains(&feature),
+        }
+    }
+
+    /// `Ok` when the broker supports `feature`.
+    ///
+    /// # Errors
+    /// [`BrokerError::Unsupported`](super::BrokerError::Unsupported) naming the version needed.
+    pub fn require(&self, feature: Feature) -> Result<(), super::BrokerError> {
+        if self.supports(feature) {
+            Ok(())
+        } else {
+            Err(super::BrokerError::Unsupported {
+                feature: feature.name().into(),
+                needs: feature.min_version().to_string(),
+                server: format!("{} {}", self.name, self.version),
+            })
+        }
+    }
+}
+
+/// A change in the broker connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnectionEvent {
+    /// Connected (or reconnected).
+    Connected,
+    /// The connection dropped; the client is reconnecting.
+    Disconnected,
+    /// The server is shutting down gracefully (lame duck mode).
+    LameDuck,
+    /// A subscription fell behind and messages were dropped.
+    SlowConsumer,
+    /// The server reported an error.
+    ServerError(String),
+    /// The client reported an error (for example a failed reconnect attempt).
+    ClientError(String),
+    /// The connection is closed for good.
+    Closed,
+}
+
+/// JetStream retention policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Keep messages until limits remove them (replayable).
+    Limits,
+    /// Keep messages until every consumer acked them.
+    Interest,
+    /// Remove a message once acked (one consumer per subject).
+    WorkQueue,
+}
+
+/// Where a stream keeps its messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    /// On disk.
+    File,
+    /// In memory.
+    Memory,
+}
+
+/// What a full stream does with a new message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Discard {
+    /// Drop the oldest message.
+    Old,
+    /// Refuse the new message.
+    New,
+}
+
+/// The configuration of a stream, as Flotilla wants it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamSpec {
+    /// The stream's name.
+    pub name: String,
+    /// Subjects it takes (wildcards allowed).
+    pub subjects: Vec<String>,
+    /// Retention policy.
+    pub retention: Retention,
+    /// Storage.
+    pub storage: Storage,
+    /// Maximum age of a message; `None` keeps messages forever.
+    pub max_age: Option<Duration>,
+    /// Maximum messages kept per subject; `None` for no limit.
+    pub max_msgs_per_subject: Option<u64>,
+    /// Maximum messages in the stream; `None` for no limit.
+    pub max_msgs: Option<u64>,
+    /// What happens when a limit is reached.
+    pub discard: Discard,
+    /// The window in which a repeated `Nats-Msg-Id` is dropped.
+    pub duplicate_window: Duration,
+    /// Number of replicas (1 on a single server).
+    pub replicas: usize,
+}
+
+impl StreamSpec {
+    /// A file-backed stream with the given name, subjects and retention, no limits and a
+    /// two-minute duplicate window.
+    pub fn new(name: impl Into<String>, subjects: Vec<String>, retention: Retention) -> Self {
+        Self {
+            name: name.into(),
+            subjects,
+            retention,
+            storage: Storage::File,
+            max_age: None,
+            max_msgs_per_subject: None,
+            max_msgs: None,
+            discard: Discard::Old,
+            duplicate_window: Duration::from_secs(120),
+            replicas: 1,
+        }
+    }
+}
+
+/// The state of a stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamState {
+    /// The stream's name.
+    pub name: String,
+    /// Messages stored now.
+    pub messages: u64,
+    /// Sequence of the first stored message (or the next one when empty).
+    pub first_seq: u64,
+    /// Sequence of the last message ever stored.
+    pub last_seq: u64,
+    /// Number of consumers.
+    pub consumers: usize,
+}
+
+/// How a consumer acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckPolicy {
+    /// Each message is acked on its own.
+    Explicit,
+    /// Acking a message acks every earlier one (a checkpoint).
+    All,
+}
+
+/// The configuration of a durable pull consumer, as Flotilla wants it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerSpec {
+    /// The durable name.
+    pub name: String,
+    /// Only messages on this subject (pattern) are delivered; `None` for all.
+    pub filter_subject: Option<String>,
+    /// Ack policy.
+    pub ack_policy: AckPolicy,
+    /// How long a delivery may stay unacked before it is redelivered.
+    pub ack_wait: Duration,
+    /// Deliveries per message before it is left alone; `None` for unlimited.
+    pub max_deliver: Option<u32>,
+    /// Delivered-but-unacked messages allowed at once; `None` for unlimited.
+    pub max_ack_pending: Option<u32>,
+}
+
+impl ConsumerSpec {
+    /// An explicit-ack consumer with a 30 s ack-wait, unlimited deliveries and at most
+    /// 1000 messages pending.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            filter_subject: None,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: None,
+            max_ack_pending: Some(1000),
+        }
+    }
+}
+
+/// The state of a consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerState {
+    /// The stream.
+    pub stream: String,
+    /// The consumer.
+    pub name: String,
+    /// The consumer's configuration as the broker holds it.
+    pub spec: ConsumerSpec,
+    /// Messages not yet delivered.
+    pub num_pending: u64,
+    /// Messages delivered and not yet acked.
+    pub num_ack_pending: u64,
+    /// Messages redelivered at least once and still unacked.
+    pub num_redelivered: u64,
+    /// Stream sequence below which everything is acked.
+    pub ack_floor: u64,
+    /// Stream sequence of the last delivered message.
+    pub delivered: u64,
+}
+
+/// A message to publish into a stream (or as a core message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboundMessage {
+    /// The subject.
+    pub subject: String,
+    /// Headers, including `Nats-Msg-Id` when set.
+    pub headers: Headers,
+    /// The payload.
+    pub payload: Bytes,
+    /// Refuse the publish unless the subject's last sequence is this (0: no message yet).
+    pub expected_last_subject_seq: Option<u64>,
+}
+
+impl OutboundMessage {
+    /// A message with the given subject and payload and no headers.
+    pub fn new(subject: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self {
+            subject: subject.into(),
+            headers: Headers::new(),
+            payload: payload.into(),
+            expected_last_subject_seq: None,
+        }
+    }
+
+    /// Sets `Nats-Msg-Id`.
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.headers.insert(crate::wire::headers::MSG_ID, id);
+        self
+    }
+
+    /// Sets a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+}
+
+/// The broker's confirmation that a message is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishAck {
+    /// The stream that stored it.
+    pub stream: String,
+    /// Its stream sequence.
+    pub seq: u64,
+    /// Whether it was a duplicate of an earlier message id (and not stored again).
+    pub duplicate: bool,
+}
+
+/// Delivery metadata of a claimed message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryInfo {
+    /// The stream.
+    pub stream: Arc<str>,
+    /// The consumer.
+    pub consumer: Arc<str>,
+    /// The message's stream sequence.
+    pub stream_seq: u64,
+    /// The consumer's delivery sequence.
+    pub consumer_seq: u64,
+    /// How many times it has been delivered, this one included (1 on first delivery).
+    pub delivered: u64,
+    /// Messages still pending on the consumer after this one.
+    pub pending: u64,
+    /// When the message was stored.
+    pub published: SystemTime,
+}
+
+/// Identifies a delivery for acknowledgement. Opaque; cheap to clone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AckToken(pub(crate) AckTokenInner);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AckTokenInner {
+    /// JetStream: the reply subject of the delivery.
+    Reply(String),
+    /// Embedded: stream, consumer, stream sequence.
+    Embedded { stream: Arc<str>, consumer: Arc<str>, seq: u64 },
+}
+
+/// How to acknowledge a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckKind {
+    /// Done (on an ack-all consumer: this and every earlier delivery).
+    Ack,
+    /// Not done: redeliver after the delay (at once when `None`).
+    Nak(Option<Duration>),
+    /// Still working: restart the ack-wait timer.
+    InProgress,
+    /// Never redeliver (removes it from WorkQueue and Interest streams). Sent without a
+    /// reason, which 2.9 servers would not understand.
+    Term,
+}
+
+/// A message claimed from a consumer.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// The subject it was published to.
+    pub subject: String,
+    /// Its headers.
+    pub headers: Headers,
+    /// Its payload.
+    pub payload: Bytes,
+    /// Delivery metadata.
+    pub info: DeliveryInfo,
+    /// Pass to [`Broker::ack`](super::Broker::ack).
+    pub token: AckToken,
+}
+
+/// A message read from a stream by sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMessage {
+    /// The subject.
+    pub subject: String,
+    /// The stream sequence.
+    pub seq: u64,
+    /// Headers.
+    pub headers: Headers,
+    /// Payload.
+    pub payload: Bytes,
+    /// When it was stored.
+    pub published: SystemTime,
+}
+
+/// The configuration of a KV bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvSpec {
+    /// The bucket's name (`[A-Za-z0-9_-]+`).
+    pub bucket: String,
+    /// Values kept per key (1 to 64).
+    pub history: u8,
+    /// Entries expire this long after their last write; `None` never.
+    pub max_age: Option<Duration>,
+    /// Storage.
+    pub storage: Storage,
+}
+
+impl KvSpec {
+    /// A file-backed bucket with history 1.
+    pub fn new(bucket: impl Into<String>, max_age: Option<Duration>) -> Self {
+        Self { bucket: bucket.into(), history: 1, max_age, storage: Storage::File }
+    }
+}
+
+/// What a KV entry records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvOperation {
+    /// A value was written.
+    Put,
+    /// The key was deleted.
+    Delete,
+    /// The key was purged.
+    Purge,
+}
+
+/// A KV entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvEntry {
+    /// The bucket.
+    pub bucket: String,
+    /// The key.
+    pub key: String,
+    /// The value (empty for deletes).
+    pub value: Bytes,
+    /// The revision (the stream sequence of this write): the fencing epoch of a lease.
+    pub revision: u64,
+    /// What the entry records.
+    pub operation: KvOperation,
+}
+
+/// A core NATS message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoreMessage {
+    /// The subject.
+    pub subject: String,
+    /// Where to reply, for requests.
+    pub reply: Option<String>,
+    /// Headers.
+    pub headers: Headers,
+    /// Payload.
+    pub payload: Bytes,
+}
+
+impl CoreMessage {
+    /// A message with a subject and payload.
+    pub fn new(subject: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self { subject: subject.into(), reply: None, headers: Headers::new(), payload: payload.into() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse_and_gate() {
+        assert_eq!(Version::parse("2.9.10"), Some(Version::new(2, 9, 10)));
+        assert_eq!(Version::parse("v2.10.0-beta.1"), Some(Version::new(2, 10, 0)));
+        assert_eq!(Version::parse("2.11"), Some(Version::new(2, 11, 0)));
+        assert_eq!(Version::parse(""), None);
+        assert_eq!(Version::parse("x.y"), None);
+        let old = ServerInfo {
+            kind: BrokerKind::JetStream,
+            version: Version::new(2, 9, 10),
+            name: "n".into(),
+            max_payload: 1 << 20,
+            extra: vec![],
+        };
+        assert!(!old.supports(Feature::MultiFilter));
+        let err = old.require(Feature::MessageSchedules).expect_err("2.9 has no schedules").to_string();
+        assert!(err.contains("2.12.0") && err.contains("2.9.10"), "{err}");
+        let new = ServerInfo { version: Version::new(2, 15, 1), ..old };
+        assert!(Feature::ALL.iter().all(|f| new.supports(*f)));
+    }
+}

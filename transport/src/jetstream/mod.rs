@@ -1,0 +1,1030 @@
+//! The JetStream backend, on async-nats 0.51.
+//!
+//! What it does about the traps in `notes/jetstream.md`:
+//!
+//! * pings every few seconds (default 3 s, not async-nats's 60 s) and reconnects with
+//!   capped, jittered backoff, so a partitioned node notices in seconds and a server
+//!   restart does not cause a reconnect herd; connection changes are typed
+//!   [`ConnectionEvent`]s;
+//! * KV buckets are created as plain `KV_<bucket>` streams, because async-nats's
+//!   `create_key_value` cannot parse 2.9's account info;
+//! * every pull is a bounded `fetch` with `expires`, so no request can hang at
+//!   `max_ack_pending`, and one claim is one pull request: nothing re-pulls in a loop when
+//!   a 2.9 server answers `409 Exceeded MaxWaiting` (the claim backs off instead);
+//! * the server version is read at connect and newer features are gated on it
+//!   ([`ServerInfo::require`]); every stream and consumer is read back after creation,
+//!   which catches fields an old server ignored silently;
+//! * TERM is sent bare (`+TERM`), which 2.9 understands.
+
+use crate::broker::{
+    AckKind, AckPolicy, AckToken, AckTokenInner, BoxFuture, BoxStream, Broker, BrokerError, BrokerKind, BrokerResult,
+    ConnectionEvent, ConsumerSpec, ConsumerState, CoreMessage, Delivery, DeliveryInfo, Discard, KvEntry, KvOperation,
+    KvSpec, OutboundMessage, PublishAck, Retention, ServerInfo, Storage, StoredMessage, StreamSpec, StreamState,
+    Version, compare,
+};
+use crate::wire::Headers;
+use async_nats::jetstream::{self, consumer::PullConsumer, context::PublishErrorKind, stream};
+use bytes::Bytes;
+use dashmap::DashMap;
+use futures::{StreamExt, TryStreamExt};
+use rand::Rng;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+use tokio::sync::broadcast;
+use tracing::{debug, warn};
+
+/// How to connect to NATS.
+#[derive(Debug, Clone)]
+pub struct JetStreamOptions {
+    /// Server URLs (`nats://host:4222`); several for a cluster.
+    pub urls: Vec<String>,
+    /// The client connection name (shows in the server's monitoring).
+    pub name: Option<String>,
+    /// How often to ping the server; a dead connection is noticed after about two.
+    pub ping_interval: Duration,
+    /// How long one connection attempt may take.
+    pub connect_timeout: Duration,
+    /// How long a JetStream API request (stream info, KV write, …) may take.
+    pub request_timeout: Duration,
+    /// Publish acks outstanding at once before publishing waits.
+    pub max_ack_inflight: usize,
+    /// User and password.
+    pub user_password: Option<(String, String)>,
+    /// An auth token.
+    pub token: Option<String>,
+    /// A `.creds` file (JWT and nkey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// An nkey seed (`SU…`).
+    pub nkey_seed: Option<String>,
+    /// A CA certificate (PEM) to trust for TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate and its key (PEM) for mutual TLS.
+    pub tls_client_cert: Option<(PathBuf, PathBuf)>,
+}
+
+impl JetStreamOptions {
+    /// Options for one server URL with Flotilla's defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            urls: vec![url.into()],
+            name: None,
+            ping_interval: Duration::from_secs(3),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+            max_ack_inflight: 4096,
+            user_password: None,
+            token: None,
+            credentials_file: None,
+            nkey_seed: None,
+            tls_ca: None,
+            tls_client_cert: None,
+        }
+    }
+}
+
+/// A broker on NATS JetStream. Cheap to clone.
+#[derive(Clone)]
+pub struct JetStreamBroker {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    info: ServerInfo,
+    events: broadcast::Sender<ConnectionEvent>,
+    streams: DashMap<String, stream::Stream>,
+    consumers: DashMap<(String, String), PullConsumer>,
+    kv: DashMap<String, jetstream::kv::Store>,
+    request_timeout: Duration,
+}
+
+impl std::fmt::Debug for JetStreamBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JetStreamBroker").field("server", &self.inner.info).finish_non_exhaustive()
+    }
+}
+
+/// The reconnect delay after `attempts` failed attempts: exponential from 100 ms, capped
+/// at 5 s, times a random factor in [0.5, 1.5).
+pub fn reconnect_delay(attempts: usize) -> Duration {
+    let base = Duration::from_millis(100).saturating_mul(1u32 << attempts.min(6));
+    let capped = base.min(Duration::from_secs(5));
+    capped.mul_f64(rand::rng().random_range(0.5..1.5))
+}
+
+fn map_event(ev: async_nats::Event) -> ConnectionEvent {
+    use async_nats::Event;
+    match ev {
+        Event::Connected => ConnectionEvent::Connected,
+        Event::Disconnected => ConnectionEvent::Disconnected,
+        Event::LameDuckMode => ConnectionEvent::LameDuck,
+        Event::SlowConsumer(_) => ConnectionEvent::SlowConsumer,
+        Event::ServerError(e) => ConnectionEvent::ServerError(e.to_string()),
+        Event::ClientError(e) => ConnectionEvent::ClientError(e.to_string()),
+        Event::Closed => ConnectionEvent::Closed,
+        other => ConnectionEvent::ClientError(other.to_string()),
+    }
+}
+
+impl JetStreamBroker {
+    /// Connects, reads the server version and checks that JetStream is enabled.
+    ///
+    /// # Errors
+    /// [`BrokerError::Unreachable`] when no server answers (with what to do about it),
+    /// [`BrokerError::JetStreamDisabled`] when the server runs without `-js`.
+    pub async fn connect(opts: JetStreamOptions) -> BrokerResult<Self> {
+        let url = opts.urls.join(",");
+        let (events, _) = broadcast::channel(256);
+        let tx = events.clone();
+        let mut co = async_nats::ConnectOptions::new()
+            .ping_interval(opts.ping_interval)
+            .connection_timeout(opts.connect_timeout)
+            .request_timeout(Some(opts.request_timeout))
+            .max_reconnects(None)
+            .reconnect_delay_callback(reconnect_delay)
+            .event_callback(move |ev| {
+                let tx = tx.clone();
+                async move {
+                    let ev = map_event(ev);
+                    match &ev {
+                        ConnectionEvent::Connected => debug!(event = ?ev, "nats connection"),
+                        _ => warn!(event = ?ev, "nats connection"),
+                    }
+                    let _ = tx.send(ev);
+                }
+            });
+        if let Some(name) = &opts.name {
+            co = co.name(name);
+        }
+        if let Some((user, pass)) = &opts.user_password {
+            co = co.user_and_password(user.clone(), pass.clone());
+        }
+        if let Some(token) = &opts.token {
+            co = co.token(token.clone());
+        }
+        if let Some(seed) = &opts.nkey_seed {
+            co = co.nkey(seed.clone());
+        }
+        if let Some(path) = &opts.credentials_file {
+            co = co.credentials_file(path).await.map_err(|e| BrokerError::Unreachable {
+                url: url.clone(),
+                reason: format!("cannot read credentials file {}: {e}", path.display()),
+            })?;
+        }
+        if let Some(ca) = &opts.tls_ca {
+            co = co.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let Some((cert, key)) = &opts.tls_client_cert {
+            co = co.add_client_certificate(cert.clone(), key.clone()).require_tls(true);
+        }
+        let client = co
+            .connect(url.as_str())
+            .await
+            .map_err(|e| BrokerError::Unreachable { url: url.clone(), reason: e.to_string() })?;
+        let si = client.server_info();
+        if !si.jetstream {
+            return Err(BrokerError::JetStreamDisabled { url });
+        }
+        let version = Version::parse(&si.version).ok_or_else(|| {
+            BrokerError::other("connect", format!("server at {url} reports an unreadable version {:?}", si.version))
+        })?;
+        let info = ServerInfo {
+            kind: BrokerKind::JetStream,
+            version,
+            name: if si.server_name.is_empty() { si.server_id.clone() } else { si.server_name.clone() },
+            max_payload: si.max_payload,
+            extra: vec![],
+        };
+        let js = jetstream::context::ContextBuilder::new()
+            .timeout(opts.request_timeout)
+            .max_ack_inflight(opts.max_ack_inflight)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        debug!(server.version = %info.version, server.name = %info.name, "connected to nats");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                js,
+                info,
+                events,
+                streams: DashMap::new(),
+                consumers: DashMap::new(),
+                kv: DashMap::new(),
+                request_timeout: opts.request_timeout,
+            }),
+        })
+    }
+
+    /// This broker as a [`SharedBroker`](crate::broker::SharedBroker).
+    pub fn shared(&self) -> crate::broker::SharedBroker {
+        Arc::new(self.clone())
+    }
+
+    /// The underlying async-nats client, for what the interface does not cover.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.inner.client
+    }
+}
+
+fn to_stream_config(spec: &StreamSpec) -> stream::Config {
+    let kv = spec.name.starts_with("KV_");
+    stream::Config {
+        name: spec.name.clone(),
+        subjects: spec.subjects.clone(),
+        retention: match spec.retention {
+            Retention::Limits => stream::RetentionPolicy::Limits,
+            Retention::Interest => stream::RetentionPolicy::Interest,
+            Retention::WorkQueue => stream::RetentionPolicy::WorkQueue,
+        },
+        storage: match spec.storage {
+            Storage::File => stream::StorageType::File,
+            Storage::Memory => stream::StorageType::Memory,
+        },
+        max_age: spec.max_age.unwrap_or_default(),
+        max_messages_per_subject: spec.max_msgs_per_subject.map_or(-1, |n| n as i64),
+        max_messages: spec.max_msgs.map_or(-1, |n| n as i64),
+        discard: match spec.discard {
+            Discard::Old => stream::DiscardPolicy::Old,
+            Discard::New => stream::DiscardPolicy::New,
+        },
+        duplicate_window: spec.duplicate_window,
+        num_replicas: spec.replicas,
+        allow_direct: true,
+        allow_rollup: kv,
+        deny_delete: kv,
+        ..Default::default()
+    }
+}
+
+fn from_stream_config(c: &stream::Config) -> StreamSpec {
+    StreamSpec {
+        name: c.name.clone(),
+        subjects: c.subjects.clone(),
+        retention: match c.retention {
+            stream::RetentionPolicy::Limits => Retention::Limits,
+            stream::RetentionPolicy::Interest => Retention::Interest,
+            stream::RetentionPolicy::WorkQueue => Retention::WorkQueue,
+        },
+        storage: match c.storage {
+            stream::StorageType::File => Storage::File,
+            stream::StorageType::Memory => Storage::Memory,
+        },
+        max_age: (!c.max_age.is_zero()).then_some(c.max_age),
+        max_msgs_per_subject: (c.max_messages_per_subject > 0).then_some(c.max_messages_per_subject as u64),
+        max_msgs: (c.max_messages > 0).then_some(c.max_messages as u64),
+        discard: match c.discard {
+            stream::DiscardPolicy::Old => Discard::Old,
+            stream::DiscardPolicy::New => Discard::New,
+        },
+        duplicate_window: c.duplicate_window,
+        replicas: c.num_replicas.max(1),
+    }
+}
+
+fn to_consumer_config(spec: &ConsumerSpec) -> jetstream::consumer::pull::Config {
+    jetstream::consumer::pull::Config {
+        durable_name: Some(spec.name.clone()),
+        filter_subject: spec.filter_subject.clone().unwrap_or_default(),
+        ack_policy: match spec.ack_policy {
+            AckPolicy::Explicit => jetstream::consumer::AckPolicy::Explicit,
+            AckPolicy::All => jetstream::consumer::AckPolicy::All,
+        },
+        deliver_policy: jetstream::consumer::DeliverPolicy::All,
+        ack_wait: spec.ack_wait,
+        max_deliver: spec.max_deliver.map_or(-1, i64::from),
+        max_ack_pending: spec.max_ack_pending.map_or(-1, i64::from),
+        max_waiting: 512,
+        ..Default::default()
+    }
+}
+
+fn from_consumer_info(name: &str, c: &jetstream::consumer::Config) -> ConsumerSpec {
+    ConsumerSpec {
+        name: name.to_owned(),
+        filter_subject: (!c.filter_subject.is_empty()).then(|| c.filter_subject.clone()),
+        ack_policy: match c.ack_policy {
+            jetstream::consumer::AckPolicy::All => AckPolicy::All,
+            _ => AckPolicy::Explicit,
+        },
+        ack_wait: c.ack_wait,
+        max_deliver: (c.max_deliver > 0).then_some(c.max_deliver as u32),
+        max_ack_pending: (c.max_ack_pending > 0).then_some(c.max_ack_pending as u32),
+    }
+}
+
+fn consumer_state(stream: &str, info: &jetstream::consumer::Info) -> ConsumerState {
+    ConsumerState {
+        stream: stream.to_owned(),
+        name: info.name.clone(),
+        spec: from_consumer_info(&info.name, &info.config),
+        num_pending: info.num_pending,
+        num_ack_pending: info.num_ack_pending as u64,
+        num_redelivered: info.num_redelivered as u64,
+        ack_floor: info.ack_floor.stream_sequence,
+        delivered: info.delivered.stream_sequence,
+    }
+}
+
+fn stream_state(info: &stream::Info) -> StreamState {
+    StreamState {
+        name: info.config.name.clone(),
+        messages: info.state.messages,
+        first_seq: info.state.first_sequence,
+        last_seq: info.state.last_sequence,
+        consumers: info.state.consumer_count,
+    }
+}
+
+fn to_header_map(headers: &Headers) -> async_nats::HeaderMap {
+    let mut map = async_nats::HeaderMap::new();
+    for (name, value) in headers.iter() {
+        map.append(name, value);
+    }
+    map
+}
+
+fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
+    let mut out = Headers::new();
+    if let Some(map) = map {
+        for (name, values) in map.iter() {
+            for v in values {
+                out.append(name.to_string(), v.as_str());
+            }
+        }
+    }
+    out
+}
+
+fn js_code<E: std::fmt::Display>(err: &E) -> Option<u64> {
+    // async-nats formats JetStream API errors as "... (code 404, error code 10059)".
+    let text = err.to_string();
+    let at = text.find("error code ")?;
+    text[at + 11..].chars().take_while(char::is_ascii_digit).collect::<String>().parse().ok()
+}
+
+/// Whether `err` says the consumer (10014) does not exist; async-nats reports this as a
+/// JetStream error code on some calls and as a typed "consumer not found" on others.
+fn consumer_missing<E: std::fmt::Display>(err: &E) -> bool {
+    js_code(err) == Some(10014) || err.to_string().contains("consumer not found")
+}
+
+/// Whether `err` says the stream (10059) does not exist.
+fn stream_missing<E: std::fmt::Display>(err: &E) -> bool {
+    js_code(err) == Some(10059) || err.to_string().contains("stream not found")
+}
+
+fn is_timeout<E: std::fmt::Display>(err: &E) -> bool {
+    let t = err.to_string().to_lowercase();
+    t.contains("timed out") || t.contains("timeout")
+}
+
+fn api_error<E: std::fmt::Display>(operation: &str, err: E, timeout: Duration) -> BrokerError {
+    if is_timeout(&err) {
+        BrokerError::TimedOut { operation: operation.to_owned(), after: timeout }
+    } else if err.to_string().to_lowercase().contains("no responders") {
+        BrokerError::Disconnected {
+            operation: operation.to_owned(),
+            reason: "JetStream did not respond (no responders)".into(),
+        }
+    } else {
+        BrokerError::other(operation, err)
+    }
+}
+
+fn publish_error(
+    subject: &str,
+    err: jetstream::context::PublishError,
+    expected: Option<u64>,
+    timeout: Duration,
+) -> BrokerError {
+    match err.kind() {
+        PublishErrorKind::StreamNotFound => BrokerError::NoStream { subject: subject.to_owned() },
+        PublishErrorKind::WrongLastSequence => {
+            BrokerError::WrongLastSequence { subject: subject.to_owned(), expected: expected.unwrap_or(0), actual: 0 }
+        }
+        PublishErrorKind::TimedOut => {
+            BrokerError::TimedOut { operation: format!("publish to {subject}"), after: timeout }
+        }
+        PublishErrorKind::BrokenPipe => {
+            BrokerError::Disconnected { operation: format!("publish to {subject}"), reason: err.to_string() }
+        }
+        PublishErrorKind::MaxPayloadExceeded => BrokerError::other(format!("publish to {subject}"), err),
+        _ => BrokerError::other(format!("publish to {subject}"), err),
+    }
+}
+
+impl Inner {
+    async fn stream_handle(&self, name: &str) -> BrokerResult<stream::Stream> {
+        if let Some(s) = self.streams.get(name) {
+            return Ok(s.clone());
+        }
+        match self.js.get_stream(name).await {
+            Ok(s) => {
+                self.streams.insert(name.to_owned(), s.clone());
+                Ok(s)
+            }
+            Err(e) if stream_missing(&e) => Err(BrokerError::StreamNotFound { stream: name.to_owned() }),
+            Err(e) => Err(api_error(&format!("look up stream {name}"), e, self.request_timeout)),
+        }
+    }
+
+    async fn consumer_handle(&self, stream: &str, consumer: &str) -> BrokerResult<PullConsumer> {
+        let key = (stream.to_owned(), consumer.to_owned());
+        if let Some(c) = self.consumers.get(&key) {
+            return Ok(c.clone());
+        }
+        let s = self.stream_handle(stream).await?;
+        match s.get_consumer::<jetstream::consumer::pull::Config>(consumer).await {
+            Ok(c) => {
+                self.consumers.insert(key, c.clone());
+                Ok(c)
+            }
+            Err(e) if consumer_missing(&e) => {
+                Err(BrokerError::ConsumerNotFound { stream: stream.to_owned(), consumer: consumer.to_owned() })
+            }
+            Err(e) => Err(api_error(&format!("look up consumer {consumer} of {stream}"), e, self.request_timeout)),
+        }
+    }
+
+    async fn ensure_stream(&self, spec: StreamSpec) -> BrokerResult<StreamState> {
+        let op = format!("create stream {}", spec.name);
+        let found = match self.js.get_stream(&spec.name).await {
+            Ok(mut s) => Some(s.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()),
+            Err(e) if stream_missing(&e) => None,
+            Err(e) => return Err(api_error(&op, e, self.request_timeout)),
+        };
+        let info = match found {
+            Some(info) => info,
+            None => match self.js.create_stream(to_stream_config(&spec)).await {
+                Ok(mut s) => s.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone(),
+                // Someone else created it meanwhile: compare with theirs.
+                Err(e) if js_code(&e) == Some(10058) => {
+                    let mut s =
+                        self.js.get_stream(&spec.name).await.map_err(|e| api_error(&op, e, self.request_timeout))?;
+                    s.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()
+                }
+                Err(e) => return Err(api_error(&op, e, self.request_timeout)),
+            },
+        };
+        compare::stream(&from_stream_config(&info.config), &spec)?;
+        Ok(stream_state(&info))
+    }
+
+    async fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BrokerResult<ConsumerState> {
+        let op = format!("create consumer {} of stream {stream}", spec.name);
+        let s = self.stream_handle(stream).await?;
+        let info = match s.consumer_info(&spec.name).await {
+            Ok(info) => info,
+            Err(e) if consumer_missing(&e) => {
+                let mut c = s
+                    .create_consumer(to_consumer_config(&spec))
+                    .await
+                    .map_err(|e| api_error(&op, e, self.request_timeout))?;
+                c.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()
+            }
+            Err(e) => return Err(api_error(&op, e, self.request_timeout)),
+        };
+        compare::consumer(stream, &from_consumer_info(&spec.name, &info.config), &spec)?;
+        Ok(consumer_state(stream, &info))
+    }
+
+    async fn kv_store(&self, bucket: &str) -> BrokerResult<jetstream::kv::Store> {
+        if let Some(s) = self.kv.get(bucket) {
+            return Ok(s.clone());
+        }
+        match self.js.get_key_value(bucket).await {
+            Ok(store) => {
+                self.kv.insert(bucket.to_owned(), store.clone());
+                Ok(store)
+            }
+            Err(e) if stream_missing(&e) || e.to_string().contains("not found") => {
+                Err(BrokerError::BucketNotFound { bucket: bucket.to_owned() })
+            }
+            Err(e) => Err(api_error(&format!("open KV bucket {bucket}"), e, self.request_timeout)),
+        }
+    }
+
+    async fn publish_enqueue(
+        &self,
+        msg: OutboundMessage,
+    ) -> BrokerResult<(String, Option<u64>, jetstream::context::PublishAckFuture)> {
+        let OutboundMessage { subject, headers, payload, expected_last_subject_seq } = msg;
+        let mut pm = jetstream::message::PublishMessage::build().payload(payload);
+        if !headers.is_empty() {
+            pm = pm.headers(to_header_map(&headers));
+        }
+        if let Some(seq) = expected_last_subject_seq {
+            pm = pm.expected_last_subject_sequence(seq);
+        }
+        match self.js.send_publish(subject.clone(), pm).await {
+            Ok(fut) => Ok((subject, expected_last_subject_seq, fut)),
+            Err(e) => Err(publish_error(&subject, e, expected_last_subject_seq, self.request_timeout)),
+        }
+    }
+
+    fn delivery(msg: jetstream::Message) -> Option<Delivery> {
+        let info = match msg.info() {
+            Ok(info) => DeliveryInfo {
+                stream: Arc::from(info.stream),
+                consumer: Arc::from(info.consumer),
+                stream_seq: info.stream_sequence,
+                consumer_seq: info.consumer_sequence,
+                delivered: info.delivered.max(0) as u64,
+                pending: info.pending,
+                published: SystemTime::from(info.published),
+            },
+            Err(e) => {
+                warn!(error = %e, subject = %msg.subject, "pulled message without JetStream metadata; skipped");
+                return None;
+            }
+        };
+        let reply = msg.reply.as_ref()?.to_string();
+        let message = msg.message;
+        Some(Delivery {
+            subject: message.subject.to_string(),
+            headers: from_header_map(message.headers.as_ref()),
+            payload: message.payload,
+            info,
+            token: AckToken(AckTokenInner::Reply(reply)),
+        })
+    }
+}
+
+fn ack_body(kind: AckKind) -> Bytes {
+    match kind {
+        AckKind::Ack => Bytes::from_static(b"+ACK"),
+        AckKind::Nak(None) => Bytes::from_static(b"-NAK"),
+        AckKind::Nak(Some(d)) => Bytes::from(format!("-NAK {{\"delay\":{}}}", d.as_nanos())),
+        AckKind::InProgress => Bytes::from_static(b"+WPI"),
+        AckKind::Term => Bytes::from_static(b"+TERM"),
+    }
+}
+
+fn reply_of(token: &AckToken) -> BrokerResult<String> {
+    match &token.0 {
+        AckTokenInner::Reply(r) => Ok(r.clone()),
+        AckTokenInner::Embedded { .. } => {
+            Err(BrokerError::other("ack", "an embedded-broker delivery cannot be acked on JetStream"))
+        }
+    }
+}
+
+fn core_from(msg: async_nats::Message) -> CoreMessage {
+    CoreMessage {
+        subject: msg.subject.to_string(),
+        reply: msg.reply.map(|r| r.to_string()),
+        headers: from_header_map(msg.headers.as_ref()),
+        payload: msg.payload,
+    }
+}
+
+impl Broker for JetStreamBroker {
+    fn server(&self) -> ServerInfo {
+        self.inner.info.clone()
+    }
+
+    fn events(&self) -> broadcast::Receiver<ConnectionEvent> {
+        self.inner.events.subscribe()
+    }
+
+    fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<BrokerResult<StreamState>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.ensure_stream(spec).await })
+    }
+
+    fn stream_state(&self, stream: &str) -> BoxFuture<BrokerResult<StreamState>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        Box::pin(async move {
+            let mut s = inner.stream_handle(&stream).await?;
+            let info =
+                s.info().await.map_err(|e| api_error(&format!("stream info {stream}"), e, inner.request_timeout))?;
+            Ok(stream_state(info))
+        })
+    }
+
+    fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BoxFuture<BrokerResult<ConsumerState>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        Box::pin(async move { inner.ensure_consumer(&stream, spec).await })
+    }
+
+    fn consumer_state(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<ConsumerState>> {
+        let inner = self.inner.clone();
+        let (stream, consumer) = (stream.to_owned(), consumer.to_owned());
+        Box::pin(async move {
+            let s = inner.stream_handle(&stream).await?;
+            match s.consumer_info(&consumer).await {
+                Ok(info) => Ok(consumer_state(&stream, &info)),
+                Err(e) if consumer_missing(&e) => Err(BrokerError::ConsumerNotFound { stream, consumer }),
+                Err(e) => Err(api_error(&format!("consumer info {consumer}"), e, inner.request_timeout)),
+            }
+        })
+    }
+
+    fn delete_consumer(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<bool>> {
+        let inner = self.inner.clone();
+        let (stream, consumer) = (stream.to_owned(), consumer.to_owned());
+        Box::pin(async move {
+            let s = inner.stream_handle(&stream).await?;
+            inner.consumers.remove(&(stream.clone(), consumer.clone()));
+            match s.delete_consumer(&consumer).await {
+                Ok(_) => Ok(true),
+                Err(e) if consumer_missing(&e) => Ok(false),
+                Err(e) => Err(api_error(&format!("delete consumer {consumer}"), e, inner.request_timeout)),
+            }
+        })
+    }
+
+    fn publish(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PublishAck>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let (subject, expected, fut) = inner.publish_enqueue(msg).await?;
+            let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, inner.request_timeout))?;
+            Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
+        })
+    }
+
+    fn publish_batch(&self, msgs: Vec<OutboundMessage>) -> BoxFuture<Vec<BrokerResult<PublishAck>>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let mut pending = Vec::with_capacity(msgs.len());
+            for msg in msgs {
+                pending.push(inner.publish_enqueue(msg).await);
+            }
+            let acks = pending.into_iter().map(|p| {
+                let timeout = inner.request_timeout;
+                async move {
+                    let (subject, expected, fut) = p?;
+                    let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, timeout))?;
+                    Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
+                }
+            });
+            futures::future::join_all(acks).await
+        })
+    }
+
+    fn claim(
+        &self,
+        stream: &str,
+        consumer: &str,
+        max: usize,
+        max_wait: Duration,
+    ) -> BoxFuture<BrokerResult<Vec<Delivery>>> {
+        let inner = self.inner.clone();
+        let (stream, consumer) = (stream.to_owned(), consumer.to_owned());
+        Box::pin(async move {
+            if max == 0 {
+                return Ok(Vec::new());
+            }
+            let started = tokio::time::Instant::now();
+            // The server needs an expiry of at least a millisecond or so to answer 408.
+            let expires = max_wait.max(Duration::from_millis(10));
+            let pc = inner.consumer_handle(&stream, &consumer).await?;
+            let op = || format!("claim from consumer {consumer} of {stream}");
+            let mut batch = match pc.fetch().max_messages(max).expires(expires).messages().await {
+                Ok(b) => b,
+                Err(e) => {
+                    if consumer_missing(&e) {
+                        inner.consumers.remove(&(stream.clone(), consumer.clone()));
+                        return Err(BrokerError::ConsumerNotFound { stream, consumer });
+                    }
+                    return Err(BrokerError::Disconnected { operation: op(), reason: e.to_string() });
+                }
+            };
+            let mut out = Vec::new();
+            while let Some(next) = batch.next().await {
+                match next {
+                    Ok(msg) => out.extend(Inner::delivery(msg)),
+                    Err(e) => {
+                        let text = e.to_string();
+                        if text.contains("409") {
+                            // E.g. `Exceeded MaxWaiting` on 2.9 or `Consumer Deleted`:
+                            // never re-pull at once, wait out this claim's window.
+                            warn!(error = %text, stream = %stream, consumer = %consumer, "pull refused; backing off");
+                            if text.contains("Consumer Deleted") {
+                                inner.consumers.remove(&(stream.clone(), consumer.clone()));
+                            }
+                            if out.is_empty() {
+                                tokio::time::sleep_until(started + max_wait).await;
+                            }
+                        } else if out.is_empty() {
+                            return Err(BrokerError::Disconnected { operation: op(), reason: text });
+                        }
+                        break;
+                    }
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    fn ack(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        let reply = reply_of(token);
+        Box::pin(async move {
+            let reply = reply?;
+            inner
+                .client
+                .publish(reply, ack_body(kind))
+                .await
+                .map_err(|e| BrokerError::Disconnected { operation: "ack".into(), reason: e.to_string() })
+        })
+    }
+
+    fn ack_confirmed(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        let reply = reply_of(token);
+        Box::pin(async move {
+            let reply = reply?;
+            let req = async_nats::Request::new().payload(ack_body(kind)).timeout(Some(inner.request_timeout));
+            inner.client.send_request(reply, req).await.map(|_| ()).map_err(|e| match e.kind() {
+                async_nats::RequestErrorKind::TimedOut => {
+                    BrokerError::TimedOut { operation: "confirmed ack".into(), after: inner.request_timeout }
+                }
+                _ => BrokerError::Disconnected { operation: "confirmed ack".into(), reason: e.to_string() },
+            })
+        })
+    }
+
+    fn get_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<Option<StoredMessage>>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        Box::pin(async move {
+            let s = inner.stream_handle(&stream).await?;
+            match s.get_raw_message(seq).await {
+                Ok(m) => Ok(Some(StoredMessage {
+                    subject: m.subject.to_string(),
+                    seq: m.sequence,
+                    headers: from_header_map(Some(&m.headers)),
+                    payload: m.payload,
+                    published: SystemTime::from(m.time),
+                })),
+                Err(e)
+                    if matches!(e.kind(), stream::LastRawMessageErrorKind::NoMessageFound)
+                        || js_code(&e) == Some(10037) =>
+                {
+                    Ok(None)
+                }
+                Err(e) => Err(api_error(&format!("get message {seq} of {stream}"), e, inner.request_timeout)),
+            }
+        })
+    }
+
+    fn delete_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<bool>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        Box::pin(async move {
+            // `no_erase`: async-nats's delete_message would overwrite the bytes on disk.
+            let subject = format!("$JS.API.STREAM.MSG.DELETE.{stream}");
+            let body = serde_json::json!({ "seq": seq, "no_erase": true }).to_string();
+            let op = format!("delete message {seq} of {stream}");
+            let reply = inner
+                .client
+                .request(subject, Bytes::from(body))
+                .await
+                .map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let v: serde_json::Value =
+                serde_json::from_slice(&reply.payload).map_err(|e| BrokerError::other(&op, e))?;
+            if v.get("success").and_then(serde_json::Value::as_bool) == Some(true) {
+                return Ok(true);
+            }
+            match v.pointer("/error/err_code").and_then(serde_json::Value::as_u64) {
+                Some(10057) | Some(10037) => Ok(false),
+                Some(10059) => Err(BrokerError::StreamNotFound { stream }),
+                _ => Err(BrokerError::other(&op, v)),
+            }
+        })
+    }
+
+    fn ensure_kv(&self, spec: KvSpec) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            compare::validate_bucket(&spec.bucket)?;
+            let stream = compare::kv_stream(&spec);
+            inner.ensure_stream(stream).await.map_err(|e| match e {
+                BrokerError::ConfigMismatch { field, existing, wanted, .. } => BrokerError::ConfigMismatch {
+                    object: format!("KV bucket {}", spec.bucket),
+                    field: if field == "max_msgs_per_subject" { "history".into() } else { field },
+                    existing,
+                    wanted,
+                },
+                other => other,
+            })?;
+            inner.kv_store(&spec.bucket).await.map(|_| ())
+        })
+    }
+
+    fn kv_get(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<Option<KvEntry>>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            compare::validate_key(&key)?;
+            let store = inner.kv_store(&bucket).await?;
+            let entry = store
+                .entry(key.clone())
+                .await
+                .map_err(|e| api_error(&format!("KV get {bucket}/{key}"), e, inner.request_timeout))?;
+            Ok(entry.map(|e| kv_entry(&bucket, e)).filter(|e| e.operation == KvOperation::Put))
+        })
+    }
+
+    fn kv_create(&self, bucket: &str, key: &str, value: Bytes) -> BoxFuture<BrokerResult<u64>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            compare::validate_key(&key)?;
+            let store = inner.kv_store(&bucket).await?;
+            store.create(&key, value).await.map_err(|e| match e.kind() {
+                jetstream::kv::CreateErrorKind::AlreadyExists => BrokerError::KvKeyExists { bucket, key },
+                _ => api_error(&format!("KV create {bucket}/{key}"), e, inner.request_timeout),
+            })
+        })
+    }
+
+    fn kv_update(&self, bucket: &str, key: &str, value: Bytes, revision: u64) -> BoxFuture<BrokerResult<u64>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            compare::validate_key(&key)?;
+            let store = inner.kv_store(&bucket).await?;
+            store.update(&key, value, revision).await.map_err(|e| match e.kind() {
+                jetstream::kv::UpdateErrorKind::WrongLastRevision => {
+                    BrokerError::KvWrongRevision { bucket, key, expected: revision }
+                }
+                _ => api_error(&format!("KV update {bucket}/{key}"), e, inner.request_timeout),
+            })
+        })
+    }
+
+    fn kv_put(&self, bucket: &str, key: &str, value: Bytes) -> BoxFuture<BrokerResult<u64>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            compare::validate_key(&key)?;
+            let store = inner.kv_store(&bucket).await?;
+            store
+                .put(&key, value)
+                .await
+                .map_err(|e| api_error(&format!("KV put {bucket}/{key}"), e, inner.request_timeout))
+        })
+    }
+
+    fn kv_delete(&self, bucket: &str, key: &str, revision: Option<u64>) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            compare::validate_key(&key)?;
+            let store = inner.kv_store(&bucket).await?;
+            store.delete_expect_revision(&key, revision).await.map_err(|e| {
+                if e.to_string().contains("wrong last sequence") || js_code(&e) == Some(10071) {
+                    BrokerError::KvWrongRevision {
+                        bucket: bucket.clone(),
+                        key: key.clone(),
+                        expected: revision.unwrap_or(0),
+                    }
+                } else {
+                    api_error(&format!("KV delete {bucket}/{key}"), e, inner.request_timeout)
+                }
+            })
+        })
+    }
+
+    fn kv_keys(&self, bucket: &str) -> BoxFuture<BrokerResult<Vec<String>>> {
+        let inner = self.inner.clone();
+        let bucket = bucket.to_owned();
+        Box::pin(async move {
+            let store = inner.kv_store(&bucket).await?;
+            let op = format!("KV keys of {bucket}");
+            let keys = store.keys().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let mut keys: Vec<String> =
+                keys.try_collect().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            keys.sort();
+            Ok(keys)
+        })
+    }
+
+    fn kv_watch(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<BoxStream<BrokerResult<KvEntry>>>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            let store = inner.kv_store(&bucket).await?;
+            let op = format!("KV watch {bucket}/{key}");
+            let watch = store.watch_with_history(&key).await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let b = bucket.clone();
+            let stream = watch.map(move |r| r.map(|e| kv_entry(&b, e)).map_err(|e| BrokerError::other(&op, e)));
+            Ok(stream.boxed())
+        })
+    }
+
+    fn core_publish(&self, msg: CoreMessage) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let CoreMessage { subject, reply, headers, payload } = msg;
+            let op = || format!("publish to {subject}");
+            let res = match reply {
+                Some(r) => {
+                    inner
+                        .client
+                        .publish_with_reply_and_headers(subject.clone(), r, to_header_map(&headers), payload)
+                        .await
+                }
+                None => inner.client.publish_with_headers(subject.clone(), to_header_map(&headers), payload).await,
+            };
+            res.map_err(|e| BrokerError::Disconnected { operation: op(), reason: e.to_string() })
+        })
+    }
+
+    fn subscribe(&self, subject: &str, queue_group: Option<&str>) -> BoxFuture<BrokerResult<BoxStream<CoreMessage>>> {
+        let inner = self.inner.clone();
+        let (subject, group) = (subject.to_owned(), queue_group.map(str::to_owned));
+        Box::pin(async move {
+            let sub = match group {
+                Some(g) => inner.client.queue_subscribe(subject.clone(), g).await,
+                None => inner.client.subscribe(subject.clone()).await,
+            }
+            .map_err(|e| BrokerError::Disconnected {
+                operation: format!("subscribe to {subject}"),
+                reason: e.to_string(),
+            })?;
+            Ok(sub.map(core_from).boxed())
+        })
+    }
+
+    fn request(&self, msg: CoreMessage, timeout: Duration) -> BoxFuture<BrokerResult<CoreMessage>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let subject = msg.subject.clone();
+            let req = async_nats::Request::new()
+                .payload(msg.payload)
+                .headers(to_header_map(&msg.headers))
+                .timeout(Some(timeout));
+            inner.client.send_request(subject.clone(), req).await.map(core_from).map_err(|e| match e.kind() {
+                async_nats::RequestErrorKind::NoResponders => BrokerError::NoResponders { subject },
+                async_nats::RequestErrorKind::TimedOut => {
+                    BrokerError::TimedOut { operation: format!("request on {subject}"), after: timeout }
+                }
+                _ => BrokerError::Disconnected { operation: format!("request on {subject}"), reason: e.to_string() },
+            })
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            inner
+                .client
+                .flush()
+                .await
+                .map_err(|e| BrokerError::Disconnected { operation: "flush".into(), reason: e.to_string() })
+        })
+    }
+}
+
+fn kv_entry(bucket: &str, e: jetstream::kv::Entry) -> KvEntry {
+    KvEntry {
+        bucket: bucket.to_owned(),
+        key: e.key,
+        value: e.value,
+        revision: e.revision,
+        operation: match e.operation {
+            jetstream::kv::Operation::Put => KvOperation::Put,
+            jetstream::kv::Operation::Delete => KvOperation::Delete,
+            jetstream::kv::Operation::Purge => KvOperation::Purge,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnect_delay_is_capped_and_jittered() {
+        for attempt in 0..20 {
+            let d = reconnect_delay(attempt);
+            assert!(d <= Duration::from_millis(7500), "{attempt}: {d:?}");
+            assert!(d >= Duration::from_millis(50), "{attempt}: {d:?}");
+        }
+        let samples: std::collections::HashSet<_> = (0..20).map(|_| reconnect_delay(10)).collect();
+        assert!(samples.len() > 1, "no jitter");
+    }
+
+    #[test]
+    fn ack_bodies_match_the_protocol() {
+        assert_eq!(ack_body(AckKind::Ack), "+ACK");
+        assert_eq!(ack_body(AckKind::Nak(Some(Duration::from_millis(1500)))), "-NAK {\"delay\":1500000000}");
+        assert_eq!(ack_body(AckKind::Term), "+TERM");
+        assert_eq!(ack_body(AckKind::InProgress), "+WPI");
+    }
+
+    #[test]
+    fn stream_config_round_trips() {
+        let mut spec = StreamSpec::new("S", vec!["a.>".into()], Retention::WorkQueue);
+        spec.max_msgs_per_subject = Some(1);
+        spec.max_age = Some(Duration::from_secs(5));
+        assert_eq!(from_stream_config(&to_stream_config(&spec)), spec);
+    }
+}

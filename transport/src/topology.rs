@@ -1,0 +1,151 @@
+//! The streams, consumers and buckets Flotilla provisions for a job (DESIGN §3).
+//!
+//! These are plain [`StreamSpec`] / [`ConsumerSpec`] / [`KvSpec`] builders; the broker's
+//! `ensure_*` methods create them idempotently and refuse a mismatching existing config.
+
+use crate::broker::{AckPolicy, BrokerResult, ConsumerSpec, KvSpec, Retention, SharedBroker, StreamSpec};
+use crate::wire::{StreamName, Subjects};
+use std::time::Duration;
+
+/// An ordered (partitioned) input: Limits retention, subjects `flotilla.<J>.<S>.*`.
+pub fn ordered_stream(subjects: &Subjects, stream: &StreamName, max_age: Option<Duration>) -> StreamSpec {
+    let mut spec = StreamSpec::new(subjects.stream_name(stream), vec![subjects.ordered_all(stream)], Retention::Limits);
+    spec.max_age = max_age;
+    spec
+}
+
+/// The durable consumer of one ordered partition: ack-all (commit = checkpoint),
+/// unlimited deliveries (order beats poison handling; the worker dead-letters), at
+/// most `window` messages in flight.
+pub fn partition_consumer(
+    subjects: &Subjects,
+    stream: &StreamName,
+    partition: u32,
+    ack_wait: Duration,
+    window: u32,
+) -> ConsumerSpec {
+    ConsumerSpec {
+        name: Subjects::partition_consumer(stream, partition),
+        filter_subject: Some(subjects.ordered_partition(stream, partition)),
+        ack_policy: AckPolicy::All,
+        ack_wait,
+        max_deliver: None,
+        max_ack_pending: Some(window.max(1)),
+    }
+}
+
+/// A queue input: WorkQueue retention, subject `flotilla.<J>.<S>`.
+pub fn queue_stream(subjects: &Subjects, stream: &StreamName) -> StreamSpec {
+    StreamSpec::new(subjects.stream_name(stream), vec![subjects.queue(stream)], Retention::WorkQueue)
+}
+
+/// The shared consumer of a queue input: explicit acks. `max_deliver` is the backstop
+/// past the retry policy's attempts (the worker dead-letters first).
+pub fn queue_consumer(stream: &StreamName, ack_wait: Duration, max_deliver: u32, max_ack_pending: u32) -> ConsumerSpec {
+    ConsumerSpec {
+        name: Subjects::queue_consumer(stream),
+        filter_subject: None,
+        ack_policy: AckPolicy::Explicit,
+        ack_wait,
+        max_deliver: Some(max_deliver.max(1)),
+        max_ack_pending: Some(max_ack_pending.max(1)),
+    }
+}
+
+/// The job's dead-letter stream: Limits retention, `flotilla.<J>._dlq.>`.
+pub fn dlq_stream(subjects: &Subjects) -> StreamSpec {
+    StreamSpec::new(subjects.dlq_stream_name(), vec![subjects.dlq_all()], Retention::Limits)
+}
+
+/// The job's timer stream: one subject per timer, one message per subject, so
+/// re-arming a timer replaces it.
+pub fn timer_stream(subjects: &Subjects) -> StreamSpec {
+    let mut spec = StreamSpec::new(subjects.timer_stream_name(), vec![subjects.timer_all()], Retention::WorkQueue);
+    spec.max_msgs_per_subject = Some(1);
+    spec
+}
+
+/// The timer consumer: nak-delayed timers hold ack-pending slots, so no cap.
+pub fn timer_consumer() -> ConsumerSpec {
+    ConsumerSpec {
+        name: "timers".into(),
+        filter_subject: None,
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        max_deliver: None,
+        max_ack_pending: None,
+    }
+}
+
+/// A KV bucket of the job (`NODES`, `LEASES`, `STATE`), with server-side expiry.
+pub fn bucket(subjects: &Subjects, name: &str, ttl: Option<Duration>) -> KvSpec {
+    KvSpec::new(subjects.bucket_name(name), ttl)
+}
+
+/// Provisions an ordered input: its stream and one consumer per partition.
+///
+/// # Errors
+/// Whatever `ensure_stream` / `ensure_consumer` return, e.g. a config mismatch.
+pub async fn provision_ordered(
+    broker: &SharedBroker,
+    subjects: &Subjects,
+    stream: &StreamName,
+    partitions: u32,
+    ack_wait: Duration,
+    window: u32,
+) -> BrokerResult<()> {
+    let spec = ordered_stream(subjects, stream, None);
+    let name = spec.name.clone();
+    broker.ensure_stream(spec).await?;
+    for p in 0..partitions {
+        broker.ensure_consumer(&name, partition_consumer(subjects, stream, p, ack_wait, window)).await?;
+    }
+    Ok(())
+}
+
+/// Provisions a queue input: its stream and its shared consumer.
+///
+/// # Errors
+/// Whatever `ensure_stream` / `ensure_consumer` return, e.g. a config mismatch.
+pub async fn provision_queue(
+    broker: &SharedBroker,
+    subjects: &Subjects,
+    stream: &StreamName,
+    ack_wait: Duration,
+    max_deliver: u32,
+    max_ack_pending: u32,
+) -> BrokerResult<()> {
+    let spec = queue_stream(subjects, stream);
+    let name = spec.name.clone();
+    broker.ensure_stream(spec).await?;
+    broker.ensure_consumer(&name, queue_consumer(stream, ack_wait, max_deliver, max_ack_pending)).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::Discard;
+    use crate::wire::JobName;
+
+    #[test]
+    fn specs_follow_the_jetstream_mapping() {
+        let s = Subjects::new(JobName::new("relay").expect("job"));
+        let input = StreamName::new("relay-in").expect("stream");
+        let st = ordered_stream(&s, &input, None);
+        assert_eq!(st.name, "FLOTILLA_relay_relay-in");
+        assert_eq!(st.subjects, vec!["flotilla.relay.relay-in.*".to_string()]);
+        assert_eq!(st.retention, Retention::Limits);
+        let c = partition_consumer(&s, &input, 2, Duration::from_secs(30), 256);
+        assert_eq!(c.ack_policy, AckPolicy::All);
+        assert_eq!(c.filter_subject.as_deref(), Some("flotilla.relay.relay-in.2"));
+        assert_eq!(c.max_ack_pending, Some(256));
+        let q = queue_stream(&s, &input);
+        assert_eq!(q.retention, Retention::WorkQueue);
+        assert_eq!(q.subjects, vec!["flotilla.relay.relay-in".to_string()]);
+        assert_eq!(queue_consumer(&input, Duration::from_secs(30), 5, 64).ack_policy, AckPolicy::Explicit);
+        assert_eq!(timer_stream(&s).max_msgs_per_subject, Some(1));
+        assert_eq!(dlq_stream(&s).subjects, vec!["flotilla.relay._dlq.>".to_string()]);
+        assert_eq!(timer_stream(&s).discard, Discard::Old);
+    }
+}

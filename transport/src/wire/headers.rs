@@ -1,0 +1,172 @@
+//! Header names and the small header map carried by every message.
+
+/// JetStream's deduplication id. Required of every producer.
+pub const MSG_ID: &str = "Nats-Msg-Id";
+/// The message's key (the partitioning input), UTF-8.
+pub const KEY: &str = "Flotilla-Key";
+/// The message kind: `data` (default when absent), `drain` or `end-of-stream`.
+pub const KIND: &str = "Flotilla-Kind";
+/// The run id a drain marker belongs to.
+pub const RUN: &str = "Flotilla-Run";
+/// The stream's declared message type name; checked when present.
+pub const TYPE: &str = "Flotilla-Type";
+/// Publish time, milliseconds since the Unix epoch, decimal.
+pub const SENT: &str = "Flotilla-Sent";
+/// Id of the input whose processing produced this message.
+pub const CAUSE: &str = "Flotilla-Cause";
+/// The producing partition's lease epoch (fencing token), decimal.
+pub const EPOCH: &str = "Flotilla-Epoch";
+/// W3C trace context.
+pub const TRACEPARENT: &str = "traceparent";
+/// Wire-format version of the payload, decimal; absent means version 1.
+pub const WIRE: &str = "Flotilla-Wire";
+
+/// Why a message was dead-lettered: a short code (`malformed`, `too-large`,
+/// `type-mismatch`, `unsupported-version`, `max-attempts`, `max-deliveries`, `handler`).
+pub const DLQ_REASON: &str = "Flotilla-Dlq-Reason";
+/// Human-readable detail of the dead-lettering reason.
+pub const DLQ_DETAIL: &str = "Flotilla-Dlq-Detail";
+/// The JetStream stream the dead letter came from.
+pub const DLQ_STREAM: &str = "Flotilla-Dlq-Stream";
+/// The original subject of the dead letter.
+pub const DLQ_SUBJECT: &str = "Flotilla-Dlq-Subject";
+/// The original stream sequence of the dead letter, decimal.
+pub const DLQ_SEQ: &str = "Flotilla-Dlq-Seq";
+/// How many times the message had been delivered, decimal.
+pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
+
+/// What a message is, from its [`KIND`] header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MessageKind {
+    /// A user message (the default when the header is absent).
+    Data,
+    /// A drain marker: everything before it is processed, nothing after.
+    Drain,
+    /// End of stream for this partition.
+    EndOfStream,
+}
+
+impl MessageKind {
+    /// The header value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageKind::Data => "data",
+            MessageKind::Drain => "drain",
+            MessageKind::EndOfStream => "end-of-stream",
+        }
+    }
+
+    /// Parses a header value; `None` for an unknown kind.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "data" => Some(MessageKind::Data),
+            "drain" => Some(MessageKind::Drain),
+            "end-of-stream" => Some(MessageKind::EndOfStream),
+            _ => None,
+        }
+    }
+}
+
+/// An ordered multimap of header names to values.
+///
+/// Lookups ignore ASCII case, as NATS servers and most clients do not canonicalise names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Headers {
+    entries: Vec<(String, String)>,
+}
+
+impl Headers {
+    /// An empty header map.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets `name` to `value`, replacing any earlier values of `name`.
+    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        let name = name.into();
+        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(&name));
+        self.entries.push((name, value.into()));
+        self
+    }
+
+    /// Adds a value for `name`, keeping earlier ones.
+    pub fn append(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        self.entries.push((name.into(), value.into()));
+        self
+    }
+
+    /// Builder form of [`Headers::insert`].
+    pub fn with(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.insert(name, value);
+        self
+    }
+
+    /// The first value of `name`.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.entries.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+
+    /// Removes every value of `name`.
+    pub fn remove(&mut self, name: &str) {
+        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+    }
+
+    /// All entries in insertion order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.entries.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The message kind; [`MessageKind::Data`] when the header is absent, `None` when
+    /// it holds an unknown value.
+    pub fn kind(&self) -> Option<MessageKind> {
+        match self.get(KIND) {
+            None => Some(MessageKind::Data),
+            Some(v) => MessageKind::parse(v),
+        }
+    }
+
+    /// The `Nats-Msg-Id` value.
+    pub fn msg_id(&self) -> Option<&str> {
+        self.get(MSG_ID)
+    }
+}
+
+impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
+    fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
+        Self { entries: iter.into_iter().map(|(n, v)| (n.into(), v.into())).collect() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn insert_replaces_and_get_ignores_case() {
+        let mut h = Headers::new();
+        h.insert(MSG_ID, "a").insert("nats-msg-id", "b").append(KEY, "k1").append(KEY, "k2");
+        assert_eq!(h.msg_id(), Some("b"));
+        assert_eq!(h.get("flotilla-key"), Some("k1"));
+        assert_eq!(h.len(), 3);
+        h.remove(KEY);
+        assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn kind_defaults_to_data_and_rejects_unknown() {
+        assert_eq!(Headers::new().kind(), Some(MessageKind::Data));
+        assert_eq!(Headers::new().with(KIND, "drain").kind(), Some(MessageKind::Drain));
+        assert_eq!(Headers::new().with(KIND, "end-of-stream").kind(), Some(MessageKind::EndOfStream));
+        assert_eq!(Headers::new().with(KIND, "boom").kind(), None);
+    }
+}
