@@ -286,3 +286,41 @@ mod tests {
         }
     }
 }
+
+/// The encodings `docs/wire-format.md` states, pinned.
+#[cfg(test)]
+mod documented_encodings {
+    use super::Codec;
+    use std::collections::BTreeMap;
+
+    fn enc<T: serde::Serialize>(v: &T) -> Vec<u8> {
+        Codec::default().encode(v).expect("encode").to_vec()
+    }
+
+    #[test]
+    fn integers() {
+        assert_eq!(enc(&250u64), [250]);
+        assert_eq!(enc(&251u64), [251, 251, 0]);
+        assert_eq!(enc(&65_535u32), [251, 0xff, 0xff]);
+        assert_eq!(enc(&65_536u32), [252, 0, 0, 1, 0]);
+        assert_eq!(enc(&(1u64 << 32)), [253, 0, 0, 0, 0, 1, 0, 0, 0]);
+        assert_eq!(enc(&200u8), [200], "u8 is one raw byte");
+        assert_eq!(enc(&-1i8), [0xff], "i8 is one raw byte");
+        assert_eq!(enc(&-1i64), [1], "zigzag");
+        assert_eq!(enc(&-2i32), [3]);
+        assert_eq!(enc(&63i64), [126]);
+        assert_eq!(enc(&-126i64), [251, 251, 0]);
+    }
+
+    #[test]
+    fn text_sequences_maps() {
+        assert_eq!(enc(&'é'), [0xc3, 0xa9], "char as UTF-8");
+        assert_eq!(enc(&"héllo"), [6, b'h', 0xc3, 0xa9, b'l', b'l', b'o']);
+        assert_eq!(enc(&vec![1u32, 300]), [2, 1, 251, 0x2c, 0x01]);
+        let m: BTreeMap<String, u32> = [("a".to_owned(), 1), ("b".to_owned(), 2)].into();
+        assert_eq!(enc(&m), [2, 1, b'a', 1, 1, b'b', 2]);
+        assert_eq!(enc(&()), Vec::<u8>::new());
+        assert_eq!(enc(&(7u16, false)), [7, 0]);
+        assert_eq!(enc(&1.0f32), 1.0f32.to_le_bytes());
+    }
+}
