@@ -3,7 +3,7 @@
 //!
 //! Not built yet: this crate is the home of the run-loop issue. It depends only on
 //! `flotilla-transport` and talks to a broker through
-//! [`SharedBroker`](flotilla_transport::SharedBroker), never to NATS directly.
+//! [`SharedBroker`], never to NATS directly.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

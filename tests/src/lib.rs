@@ -26,22 +26,30 @@ const READY_TIMEOUT: Duration = Duration::from_secs(20);
 /// # Panics
 /// When it cannot be found, with the command that installs it.
 pub fn nats_server_bin() -> PathBuf {
-    if let Some(bin) = std::env::var_os("NATS_SERVER_BIN") {
-        let bin = PathBuf::from(bin);
-        assert!(bin.is_file(), "NATS_SERVER_BIN={} is not a file", bin.display());
-        return bin;
-    }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/bin")])
-        .map(|dir| dir.join("nats-server"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "nats-server not found on PATH or in /usr/sbin: install it with `apt-get install -y nats-server` \
-                 (or set NATS_SERVER_BIN to its path). Integration tests need a real server and never skip."
-            )
-        })
+    let dirs: Vec<PathBuf> = std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin")]).collect();
+    find_nats_server(std::env::var_os("NATS_SERVER_BIN").map(PathBuf::from), &dirs)
+        .unwrap_or_else(|msg| panic!("{msg}"))
+}
+
+/// Where nats-server is: `explicit` (from `NATS_SERVER_BIN`) when given, else the first
+/// `nats-server` file in `dirs`.
+///
+/// # Errors
+/// A message that says how to install it.
+pub fn find_nats_server(explicit: Option<PathBuf>, dirs: &[PathBuf]) -> Result<PathBuf, String> {
+    if let Some(bin) = explicit {
+        return if bin.is_file() {
+            Ok(bin)
+        } else {
+            Err(format!("NATS_SERVER_BIN={} is not a file: point it at a nats-server binary", bin.display()))
+        };
+    }
+    dirs.iter().map(|dir| dir.join("nats-server")).find(|p| p.is_file()).ok_or_else(|| {
+        "nats-server not found on PATH or in /usr/sbin: install it with `apt-get install -y nats-server` \
+         (or set NATS_SERVER_BIN to its path). Integration tests need a real server and never skip."
+            .to_owned()
+    })
 }
 
 /// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).

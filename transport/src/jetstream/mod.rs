@@ -179,8 +179,19 @@ impl JetStreamBroker {
         if let Some((cert, key)) = &opts.tls_client_cert {
             co = co.add_client_certificate(cert.clone(), key.clone()).require_tls(true);
         }
+        let mut addrs = Vec::with_capacity(opts.urls.len());
+        for u in &opts.urls {
+            let addr = u.parse::<async_nats::ServerAddr>().map_err(|e| BrokerError::Unreachable {
+                url: u.clone(),
+                reason: format!("invalid NATS URL ({e}); use the form nats://host:port"),
+            })?;
+            addrs.push(addr);
+        }
+        if addrs.is_empty() {
+            return Err(BrokerError::Unreachable { url, reason: "no NATS URL given".into() });
+        }
         let client = co
-            .connect(url.as_str())
+            .connect(addrs)
             .await
             .map_err(|e| BrokerError::Unreachable { url: url.clone(), reason: e.to_string() })?;
         let si = client.server_info();

@@ -1,0 +1,42 @@
+//! JetStream-only behaviour the conformance suite cannot express on the embedded broker.
+
+use bytes::Bytes;
+use flotilla_tests::NatsServer;
+use flotilla_transport::broker::{ConsumerSpec, Retention, StreamSpec};
+use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use std::time::{Duration, Instant};
+
+/// More concurrent claims than the consumer's `max_waiting` (512): on 2.9 the extra pull
+/// requests get `409 Exceeded MaxWaiting`. A claim that gets one must wait out its window
+/// instead of returning (and being re-issued) at once, which would spin.
+#[tokio::test]
+async fn claims_beyond_max_waiting_back_off_instead_of_spinning() {
+    let server = NatsServer::start();
+    let broker = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
+    broker.ensure_stream(StreamSpec::new("W", vec!["w.>".into()], Retention::WorkQueue)).await.expect("stream");
+    broker.ensure_consumer("W", ConsumerSpec::new("w")).await.expect("consumer");
+    let window = Duration::from_secs(2);
+    let started = Instant::now();
+    let claims = (0..600).map(|_| {
+        let b = broker.clone();
+        tokio::spawn(async move {
+            let t = Instant::now();
+            let got = b.claim("W", "w", 1, window).await;
+            (got.map(|v| v.len()), t.elapsed())
+        })
+    });
+    let results = futures::future::join_all(claims).await;
+    let mut early = 0;
+    for r in results {
+        let (got, took) = r.expect("task");
+        assert_eq!(got.expect("claim is not an error"), 0, "nothing was published");
+        if took < window.mul_f64(0.8) {
+            early += 1;
+        }
+    }
+    assert_eq!(early, 0, "{early} of 600 claims returned before their window: a caller looping on them would spin");
+    assert!(started.elapsed() < Duration::from_secs(20), "took {:?}", started.elapsed());
+    // And the consumer still works afterwards.
+    broker.publish(flotilla_transport::broker::OutboundMessage::new("w.a", Bytes::from("x"))).await.expect("publish");
+    assert_eq!(broker.claim("W", "w", 1, Duration::from_secs(5)).await.expect("claim").len(), 1);
+}
