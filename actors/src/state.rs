@@ -1,0 +1,683 @@
+//! The task state machine of the reference run loop, as plain data and functions.
+//!
+//! No actors, no I/O, no clock of its own: [`TaskWorker`](crate::task_worker) feeds it
+//! envelopes and completions and asks it what to do next; time comes in as arguments.
+//!
+//! Rules (DESIGN §6, the reference run loop's `AsyncTaskState`):
+//!
+//! * readiness — a requested commit is ready once nothing else runs (or alongside
+//!   processing when async commit is on); window, timer, end-of-stream and drain need
+//!   no message in flight; processing needs `in_flight < max_concurrency` and no window
+//!   or timer running (nor a commit, unless async commit);
+//! * priority — commit, then window, then timer, then end-of-stream and drain once the
+//!   pending queue is empty, then process;
+//! * in-order commit — completions may arrive out of order; the commit position only
+//!   advances over the contiguous prefix of completed envelopes;
+//! * drain — a marker whose run id is not the current one is dropped; when every input
+//!   of the task has seen a current marker and everything before has been processed,
+//!   the task drains, commits and completes; end-of-stream likewise.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Identifies one input partition of a task (co-partitioned inputs share a task).
+pub type InputId = u32;
+
+/// What an envelope carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnvelopeKind {
+    /// A user message.
+    Data,
+    /// A drain marker of the given run.
+    Drain {
+        /// The run id on the marker.
+        run_id: String,
+    },
+    /// End of stream for the envelope's input.
+    EndOfStream,
+}
+
+/// An envelope waiting in a task's queue. `M` is whatever the worker keeps with it.
+#[derive(Debug)]
+pub struct Pending<M> {
+    /// Arrival order within the task (the in-order commit position).
+    pub order: u64,
+    /// Which input it came from.
+    pub input: InputId,
+    /// Data, drain or end of stream.
+    pub kind: EnvelopeKind,
+    /// The worker's payload.
+    pub msg: M,
+}
+
+/// What the worker should do next.
+#[derive(Debug)]
+pub enum Op<M> {
+    /// Run `process` on this envelope.
+    Process(Pending<M>),
+    /// Run the commit (user hook, then acknowledge the committable prefix).
+    Commit,
+    /// Run `window`.
+    Window,
+    /// Run due user timers.
+    Timer,
+    /// Every input ended: run `end_of_stream`, commit, complete.
+    EndOfStream,
+    /// Every input saw a current drain marker: run `drain`, commit, complete.
+    Drain,
+    /// Nothing to do now.
+    NoOp,
+}
+
+/// Scope of a task's shutdown request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ShutdownScope {
+    /// Stop this task; the container stops once every task asked.
+    CurrentTask,
+    /// Stop the whole container.
+    AllTasksInContainer,
+}
+
+/// The state of one task.
+#[derive(Debug)]
+pub struct TaskState<M> {
+    max_concurrency: usize,
+    async_commit: bool,
+    run_id: String,
+    pending: VecDeque<Pending<M>>,
+    /// Envelopes that arrived on an input after its current drain marker: never
+    /// processed nor acknowledged in this run.
+    held: Vec<Pending<M>>,
+    next_order: u64,
+    /// Per input: started (or consumed) envelopes not yet in the committable prefix,
+    /// order → done.
+    outstanding: BTreeMap<InputId, BTreeMap<u64, bool>>,
+    /// Input of each started envelope.
+    input_of: HashMap<u64, InputId>,
+    started_at: HashMap<u64, Instant>,
+    in_flight: usize,
+    need_window: bool,
+    need_commit: bool,
+    need_timer: bool,
+    window_in_flight: bool,
+    commit_in_flight: bool,
+    timer_in_flight: bool,
+    open_inputs: BTreeSet<InputId>,
+    undrained_inputs: BTreeSet<InputId>,
+    end_of_stream: bool,
+    should_drain: bool,
+    complete: bool,
+    failed: Option<String>,
+    committable: BTreeMap<InputId, u64>,
+    committed: BTreeMap<InputId, u64>,
+}
+
+impl<M> TaskState<M> {
+    /// A task over `inputs`, processing at most `max_concurrency` envelopes at once,
+    /// in run `run_id`.
+    pub fn new(
+        inputs: impl IntoIterator<Item = InputId>,
+        max_concurrency: usize,
+        async_commit: bool,
+        run_id: impl Into<String>,
+    ) -> Self {
+        let inputs: BTreeSet<InputId> = inputs.into_iter().collect();
+        Self {
+            max_concurrency: max_concurrency.max(1),
+            async_commit,
+            run_id: run_id.into(),
+            pending: VecDeque::new(),
+            held: Vec::new(),
+            next_order: 0,
+            outstanding: BTreeMap::new(),
+            input_of: HashMap::new(),
+            started_at: HashMap::new(),
+            in_flight: 0,
+            need_window: false,
+            need_commit: false,
+            need_timer: false,
+            window_in_flight: false,
+            commit_in_flight: false,
+            timer_in_flight: false,
+            undrained_inputs: inputs.clone(),
+            open_inputs: inputs,
+            end_of_stream: false,
+            should_drain: false,
+            complete: false,
+            failed: None,
+            committable: BTreeMap::new(),
+            committed: BTreeMap::new(),
+        }
+    }
+
+    /// Queues an envelope; returns its order.
+    pub fn insert(&mut self, input: InputId, kind: EnvelopeKind, msg: M) -> u64 {
+        let order = self.next_order;
+        self.next_order += 1;
+        self.pending.push_back(Pending { order, input, kind, msg });
+        order
+    }
+
+    /// Envelopes queued and not started.
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Envelopes being processed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Whether the task has completed (drained, ended, or stopped).
+    pub fn is_complete(&self) -> bool {
+        self.complete
+    }
+
+    /// Why the task failed, if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    /// The window interval elapsed.
+    pub fn request_window(&mut self) {
+        self.need_window = true;
+    }
+
+    /// A commit is wanted (interval, the task's request, or the worker's).
+    pub fn request_commit(&mut self) {
+        self.need_commit = true;
+    }
+
+    /// Whether a commit is requested or running.
+    pub fn commit_pending(&self) -> bool {
+        self.need_commit || self.commit_in_flight
+    }
+
+    /// A user timer is due.
+    pub fn request_timer(&mut self) {
+        self.need_timer = true;
+    }
+
+    /// Marks the task failed: it does nothing more.
+    pub fn fail(&mut self, reason: impl Into<String>) {
+        if self.failed.is_none() {
+            self.failed = Some(reason.into());
+        }
+    }
+
+    /// Completes the task without draining (a stop or shutdown).
+    pub fn mark_complete(&mut self) {
+        self.complete = true;
+    }
+
+    fn consume_markers(&mut self) {
+        // Markers at the head of the queue are consumed once everything before them
+        // has been started; their positions complete at once.
+        while let Some(head) = self.pending.front() {
+            match &head.kind {
+                EnvelopeKind::Data if self.drained(head.input) => {
+                    if let Some(p) = self.pending.pop_front() {
+                        self.held.push(p);
+                    }
+                    continue;
+                }
+                EnvelopeKind::Data => break,
+                EnvelopeKind::Drain { run_id } => {
+                    if *run_id == self.run_id && !self.end_of_stream {
+                        self.undrained_inputs.remove(&head.input);
+                    }
+                }
+                EnvelopeKind::EndOfStream => {
+                    self.open_inputs.remove(&head.input);
+                    self.undrained_inputs.remove(&head.input);
+                }
+            }
+            if let Some(p) = self.pending.pop_front() {
+                self.outstanding.entry(p.input).or_default().insert(p.order, true);
+                self.advance_committable(p.input);
+            }
+        }
+        if self.open_inputs.is_empty() {
+            self.end_of_stream = true;
+        } else if self.undrained_inputs.is_empty() {
+            self.should_drain = true;
+        }
+    }
+
+    /// Whether `input` has seen a current drain marker (and is still open).
+    fn drained(&self, input: InputId) -> bool {
+        self.open_inputs.contains(&input) && !self.undrained_inputs.contains(&input)
+    }
+
+    fn is_ready(&self) -> bool {
+        let op_in_flight = self.window_in_flight || self.commit_in_flight || self.timer_in_flight;
+        if self.need_commit {
+            (self.in_flight == 0 || self.async_commit) && !op_in_flight
+        } else if self.need_window || self.need_timer || self.end_of_stream || self.should_drain {
+            self.in_flight == 0 && !op_in_flight
+        } else {
+            self.in_flight < self.max_concurrency
+                && !self.window_in_flight
+                && !self.timer_in_flight
+                && (self.async_commit || !self.commit_in_flight)
+        }
+    }
+
+    /// The next operation, marking it started. `now` stamps a started process for the
+    /// callback timeout.
+    pub fn next_op(&mut self, now: Instant) -> Op<M> {
+        if self.complete || self.failed.is_some() {
+            return Op::NoOp;
+        }
+        self.consume_markers();
+        if !self.is_ready() {
+            return Op::NoOp;
+        }
+        if self.need_commit {
+            self.need_commit = false;
+            self.commit_in_flight = true;
+            Op::Commit
+        } else if self.need_window {
+            self.need_window = false;
+            self.window_in_flight = true;
+            Op::Window
+        } else if self.need_timer {
+            self.need_timer = false;
+            self.timer_in_flight = true;
+            Op::Timer
+        } else if self.end_of_stream && self.pending.is_empty() {
+            self.complete = true;
+            Op::EndOfStream
+        } else if self.should_drain && self.pending.is_empty() {
+            self.complete = true;
+            Op::Drain
+        } else if let Some(p) = self.pending.pop_front() {
+            self.in_flight += 1;
+            self.outstanding.entry(p.input).or_default().insert(p.order, false);
+            self.input_of.insert(p.order, p.input);
+            self.started_at.insert(p.order, now);
+            Op::Process(p)
+        } else {
+            Op::NoOp
+        }
+    }
+
+    /// A `process` finished (its callback fired) — counts against concurrency no more.
+    /// The envelope is not committable until [`effects_done`](Self::effects_done).
+    pub fn process_done(&mut self, _order: u64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// The envelope's effects (outputs) are stored: it may be committed. Returns its
+    /// input and that input's new committable position when it advanced.
+    pub fn effects_done(&mut self, order: u64) -> Option<(InputId, u64)> {
+        self.started_at.remove(&order);
+        let input = self.input_of.remove(&order)?;
+        if let Some(done) = self.outstanding.get_mut(&input).and_then(|o| o.get_mut(&order)) {
+            *done = true;
+        }
+        self.advance_committable(input).map(|pos| (input, pos))
+    }
+
+    /// `process_done` and `effects_done` at once.
+    pub fn done(&mut self, order: u64) -> Option<(InputId, u64)> {
+        self.process_done(order);
+        self.effects_done(order)
+    }
+
+    fn advance_committable(&mut self, input: InputId) -> Option<u64> {
+        let outstanding = self.outstanding.get_mut(&input)?;
+        let mut advanced = None;
+        while let Some((&order, &done)) = outstanding.first_key_value() {
+            if !done {
+                break;
+            }
+            outstanding.remove(&order);
+            advanced = Some(order);
+        }
+        if let Some(pos) = advanced {
+            self.committable.insert(input, pos);
+        }
+        advanced
+    }
+
+    /// Per input, the highest order whose envelope and every earlier one of that input
+    /// completed.
+    pub fn committable(&self) -> &BTreeMap<InputId, u64> {
+        &self.committable
+    }
+
+    /// The committable position of one input.
+    pub fn committable_for(&self, input: InputId) -> Option<u64> {
+        self.committable.get(&input).copied()
+    }
+
+    /// Completions the last commit has not covered yet.
+    pub fn uncommitted(&self) -> bool {
+        self.committable != self.committed
+    }
+
+    /// The commit finished, covering `positions` (what [`committable`](Self::committable)
+    /// was when it started).
+    pub fn commit_done(&mut self, positions: BTreeMap<InputId, u64>) {
+        self.commit_in_flight = false;
+        for (input, pos) in positions {
+            let e = self.committed.entry(input).or_insert(pos);
+            *e = (*e).max(pos);
+        }
+    }
+
+    /// The window finished.
+    pub fn window_done(&mut self) {
+        self.window_in_flight = false;
+    }
+
+    /// The timer callbacks finished.
+    pub fn timer_done(&mut self) {
+        self.timer_in_flight = false;
+    }
+
+    /// Orders of processes running for longer than `timeout`.
+    pub fn timed_out(&self, now: Instant, timeout: Duration) -> Vec<u64> {
+        let mut late: Vec<u64> = self
+            .started_at
+            .iter()
+            .filter(|(_, started)| now.saturating_duration_since(**started) >= timeout)
+            .map(|(o, _)| *o)
+            .collect();
+        late.sort_unstable();
+        late
+    }
+
+    /// Takes every queued envelope that has not started (to hand back to the broker).
+    pub fn take_unstarted(&mut self) -> Vec<Pending<M>> {
+        let mut out: Vec<Pending<M>> = self.held.drain(..).collect();
+        out.extend(self.pending.drain(..));
+        out
+    }
+}
+
+/// Shutdown requests of the tasks in one container (the reference's
+/// `CoordinatorRequests`): the container stops when any task asks for all, or when
+/// every task asked for itself.
+#[derive(Debug, Default)]
+pub struct CoordinatorRequests<K: Ord> {
+    tasks: BTreeSet<K>,
+    asked: BTreeSet<K>,
+    all: bool,
+}
+
+impl<K: Ord + Clone> CoordinatorRequests<K> {
+    /// Requests over these tasks.
+    pub fn new(tasks: impl IntoIterator<Item = K>) -> Self {
+        Self { tasks: tasks.into_iter().collect(), asked: BTreeSet::new(), all: false }
+    }
+
+    /// A task asked to shut down.
+    pub fn request(&mut self, task: K, scope: ShutdownScope) {
+        match scope {
+            ShutdownScope::CurrentTask => {
+                self.asked.insert(task);
+            }
+            ShutdownScope::AllTasksInContainer => self.all = true,
+        }
+    }
+
+    /// Whether `task` asked to stop.
+    pub fn asked(&self, task: &K) -> bool {
+        self.all || self.asked.contains(task)
+    }
+
+    /// Whether the container should stop now.
+    pub fn should_shutdown(&self) -> bool {
+        self.all || (!self.tasks.is_empty() && self.tasks.iter().all(|t| self.asked.contains(t)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> Instant {
+        Instant::now()
+    }
+
+    fn task(max: usize, async_commit: bool) -> TaskState<&'static str> {
+        TaskState::new([0], max, async_commit, "run-1")
+    }
+
+    fn expect_process(s: &mut TaskState<&'static str>) -> Pending<&'static str> {
+        match s.next_op(now()) {
+            Op::Process(p) => p,
+            other => panic!("expected process, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn messages_are_processed_in_order() {
+        let mut s = task(1, false);
+        for m in ["a", "b", "c"] {
+            s.insert(0, EnvelopeKind::Data, m);
+        }
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let p = expect_process(&mut s);
+            assert!(matches!(s.next_op(now()), Op::NoOp), "max concurrency 1 holds the next one");
+            seen.push(p.msg);
+            s.done(p.order);
+        }
+        assert_eq!(seen, ["a", "b", "c"]);
+    }
+
+    #[test]
+    fn out_of_order_callbacks_commit_only_the_contiguous_prefix() {
+        let mut s = task(3, false);
+        for m in ["a", "b", "c"] {
+            s.insert(0, EnvelopeKind::Data, m);
+        }
+        let (a, b, c) = (expect_process(&mut s), expect_process(&mut s), expect_process(&mut s));
+        assert_eq!(s.done(c.order), None, "c done, a and b not: nothing committable");
+        assert_eq!(s.done(a.order), Some((0, a.order)), "a done: prefix is a");
+        assert_eq!(s.committable_for(0), Some(0));
+        assert_eq!(s.done(b.order), Some((0, c.order)), "b done: prefix jumps to c");
+    }
+
+    #[test]
+    fn effects_gate_the_commit_position() {
+        let mut s = task(2, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        let a = expect_process(&mut s);
+        s.process_done(a.order);
+        assert_eq!(s.in_flight(), 0, "the slot is free once process returns");
+        assert_eq!(s.committable_for(0), None, "but nothing is committable before its outputs are stored");
+        assert_eq!(s.effects_done(a.order), Some((0, a.order)));
+    }
+
+    #[test]
+    fn max_concurrency_bounds_in_flight() {
+        let mut s = task(2, false);
+        for m in ["a", "b", "c"] {
+            s.insert(0, EnvelopeKind::Data, m);
+        }
+        let a = expect_process(&mut s);
+        let _b = expect_process(&mut s);
+        assert!(matches!(s.next_op(now()), Op::NoOp));
+        assert_eq!(s.in_flight(), 2);
+        s.done(a.order);
+        assert_eq!(expect_process(&mut s).msg, "c");
+    }
+
+    #[test]
+    fn window_and_commit_take_priority_over_process_and_never_overlap_it() {
+        let mut s = task(2, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Data, "b");
+        let a = expect_process(&mut s);
+        s.request_window();
+        s.request_commit();
+        assert!(matches!(s.next_op(now()), Op::NoOp), "nothing may start while a process runs and window/commit wait");
+        s.done(a.order);
+        assert!(matches!(s.next_op(now()), Op::Commit), "commit first");
+        assert!(matches!(s.next_op(now()), Op::NoOp), "commit in flight blocks window and process");
+        s.commit_done(s.committable().clone());
+        assert!(matches!(s.next_op(now()), Op::Window), "then window");
+        assert!(matches!(s.next_op(now()), Op::NoOp), "window in flight blocks process");
+        s.window_done();
+        assert_eq!(expect_process(&mut s).msg, "b");
+    }
+
+    #[test]
+    fn async_commit_may_overlap_process() {
+        let mut s = task(2, true);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Data, "b");
+        let _a = expect_process(&mut s);
+        s.request_commit();
+        assert!(matches!(s.next_op(now()), Op::Commit), "commit runs while a is in flight");
+        assert_eq!(expect_process(&mut s).msg, "b", "and process goes on during the commit");
+    }
+
+    #[test]
+    fn a_task_commit_request_is_honoured() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        let a = expect_process(&mut s);
+        s.done(a.order);
+        s.request_commit(); // TaskContext::commit() during processing
+        assert!(matches!(s.next_op(now()), Op::Commit));
+        assert!(s.uncommitted());
+        s.commit_done(s.committable().clone());
+        assert!(!s.uncommitted());
+    }
+
+    #[test]
+    fn shutdown_requests_with_both_scopes() {
+        let mut c = CoordinatorRequests::new([0u32, 1, 2]);
+        c.request(0, ShutdownScope::CurrentTask);
+        c.request(1, ShutdownScope::CurrentTask);
+        assert!(c.asked(&0) && !c.asked(&2));
+        assert!(!c.should_shutdown(), "the container stops only when every task asked");
+        c.request(2, ShutdownScope::CurrentTask);
+        assert!(c.should_shutdown());
+        let mut c = CoordinatorRequests::new([0u32, 1, 2]);
+        c.request(1, ShutdownScope::AllTasksInContainer);
+        assert!(c.should_shutdown(), "one all-tasks request stops the container");
+        assert!(c.asked(&0));
+    }
+
+    #[test]
+    fn end_of_stream_waits_for_in_flight_then_commits() {
+        let mut s: TaskState<&str> = TaskState::new([0, 1], 2, false, "run-1");
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::EndOfStream, "eos-0");
+        s.insert(1, EnvelopeKind::EndOfStream, "eos-1");
+        let a = expect_process(&mut s);
+        assert!(matches!(s.next_op(now()), Op::NoOp), "end of stream waits for a");
+        s.done(a.order);
+        assert!(matches!(s.next_op(now()), Op::EndOfStream));
+        assert!(s.is_complete());
+        assert_eq!(s.committable_for(0), Some(1), "the markers' positions are committable too");
+        assert_eq!(s.committable_for(1), Some(2));
+        assert!(matches!(s.next_op(now()), Op::NoOp));
+    }
+
+    #[test]
+    fn end_of_stream_needs_every_input() {
+        let mut s: TaskState<&str> = TaskState::new([0, 1], 1, false, "run-1");
+        s.insert(0, EnvelopeKind::EndOfStream, "eos-0");
+        s.insert(1, EnvelopeKind::Data, "b");
+        assert_eq!(expect_process(&mut s).msg, "b", "input 1 is still open");
+        assert!(!s.is_complete());
+    }
+
+    #[test]
+    fn drain_with_the_current_run_id_completes_the_task() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-1".into() }, "marker");
+        s.insert(0, EnvelopeKind::Data, "after");
+        let a = expect_process(&mut s);
+        assert!(matches!(s.next_op(now()), Op::NoOp), "drain waits for in-flight work");
+        s.done(a.order);
+        // The marker is consumed; the message after it is held, never processed.
+        assert!(matches!(s.next_op(now()), Op::Drain));
+        assert!(s.is_complete());
+        let unstarted = s.take_unstarted();
+        assert_eq!(unstarted.iter().map(|p| p.msg).collect::<Vec<_>>(), ["after"]);
+        assert_eq!(s.committable_for(0), Some(1), "everything up to the marker is committable");
+    }
+
+    #[test]
+    fn drain_waits_for_every_input_and_holds_what_follows_a_marker() {
+        let mut s: TaskState<&str> = TaskState::new([0, 1], 1, false, "run-1");
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-1".into() }, "m0");
+        s.insert(0, EnvelopeKind::Data, "x0 after marker");
+        s.insert(1, EnvelopeKind::Data, "b1 before marker");
+        s.insert(1, EnvelopeKind::Drain { run_id: "run-1".into() }, "m1");
+        let b = expect_process(&mut s);
+        assert_eq!(b.msg, "b1 before marker", "input 1 is not drained yet; x0 is held");
+        s.done(b.order);
+        assert!(matches!(s.next_op(now()), Op::Drain));
+        assert_eq!(s.take_unstarted().iter().map(|p| p.msg).collect::<Vec<_>>(), ["x0 after marker"]);
+        assert_eq!(s.committable_for(0), Some(0), "x0 (order 1) is never committed: input 0 stops at m0");
+        assert_eq!(s.committable_for(1), Some(3), "input 1 commits through its marker");
+    }
+
+    #[test]
+    fn a_stale_drain_marker_is_dropped() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-0".into() }, "old marker");
+        s.insert(0, EnvelopeKind::Data, "a");
+        assert_eq!(expect_process(&mut s).msg, "a");
+        assert!(!s.is_complete());
+        assert_eq!(s.committable_for(0), Some(0), "the stale marker is acknowledged, not kept");
+    }
+
+    #[test]
+    fn a_failed_task_does_nothing_more() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.fail("process error: boom");
+        assert!(matches!(s.next_op(now()), Op::NoOp));
+        assert_eq!(s.failure(), Some("process error: boom"));
+    }
+
+    #[test]
+    fn callbacks_past_their_timeout_are_reported() {
+        let mut s = task(2, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Data, "b");
+        let t0 = now();
+        let a = match s.next_op(t0) {
+            Op::Process(p) => p,
+            other => panic!("{other:?}"),
+        };
+        let b = match s.next_op(t0 + Duration::from_secs(5)) {
+            Op::Process(p) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(s.timed_out(t0 + Duration::from_secs(9), Duration::from_secs(10)), Vec::<u64>::new());
+        assert_eq!(s.timed_out(t0 + Duration::from_secs(10), Duration::from_secs(10)), vec![a.order]);
+        s.done(a.order);
+        assert_eq!(s.timed_out(t0 + Duration::from_secs(16), Duration::from_secs(10)), vec![b.order]);
+    }
+
+    #[test]
+    fn timers_run_between_messages() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Data, "b");
+        let a = expect_process(&mut s);
+        s.request_timer();
+        assert!(matches!(s.next_op(now()), Op::NoOp), "timer waits for a");
+        s.done(a.order);
+        s.request_window();
+        assert!(matches!(s.next_op(now()), Op::Window), "window before timer");
+        s.window_done();
+        assert!(matches!(s.next_op(now()), Op::Timer));
+        assert!(matches!(s.next_op(now()), Op::NoOp), "timer blocks process");
+        s.timer_done();
+        assert_eq!(expect_process(&mut s).msg, "b");
+    }
+}
