@@ -1,11 +1,30 @@
-//! Flotilla's run loop as actix actors: `TaskWorker`, `Container`, `TimerService` and
-//! `Reaper` (DESIGN §6), and the [`Task`] API users implement.
+//! Flotilla's run loop as actix actors: [`TaskWorker`](task_worker::TaskWorker),
+//! [`Container`](container::Container), [`TimerService`](timer_service::TimerService)
+//! and [`Reaper`](reaper::Reaper) (DESIGN §6), the [`Task`] API users implement and the
+//! [`Job`] builder that starts them.
 //!
 //! It depends only on `flotilla-transport` and talks to a broker through
-//! [`SharedBroker`], never to NATS directly.
+//! [`SharedBroker`], never to NATS directly. A container and its task workers share
+//! one arbiter, so a message never crosses a thread between the broker and the task.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod config;
+pub mod container;
+pub mod events;
+pub mod job;
+pub mod reaper;
+pub mod retry;
 pub mod state;
+pub mod stream;
+pub mod task;
+pub mod task_worker;
+pub mod timer_service;
 
+pub use config::{FailurePolicy, TaskConfig};
 pub use flotilla_transport::SharedBroker;
+pub use job::{Job, JobError, JobStopper, RunningJob};
+pub use retry::RetryPolicy;
+pub use state::ShutdownScope;
+pub use stream::{StreamDef, StreamKind};
+pub use task::{MessageMeta, Outputs, Task, TaskContext, TaskError};

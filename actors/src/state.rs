@@ -320,6 +320,13 @@ impl<M> TaskState<M> {
         self.advance_committable(input).map(|pos| (input, pos))
     }
 
+    /// A process that finished must run again (its outputs were not stored): it counts
+    /// as in flight again.
+    pub fn restart(&mut self, order: u64, now: Instant) {
+        self.in_flight += 1;
+        self.started_at.insert(order, now);
+    }
+
     /// `process_done` and `effects_done` at once.
     pub fn done(&mut self, order: u64) -> Option<(InputId, u64)> {
         self.process_done(order);

@@ -51,6 +51,7 @@ conformance!(
     dedupe_by_message_id,
     ack_all_acks_the_prefix,
     publish_batch_is_ordered,
+    pipelined_publishes_keep_call_order,
     publish_expectation_is_checked,
     publish_without_stream_is_refused,
     get_and_delete_by_sequence,
@@ -289,6 +290,23 @@ mod cases {
         let acks = b.publish_batch(mixed).await;
         assert!(acks[0].is_ok());
         assert!(matches!(acks[1], Err(BrokerError::NoStream { .. })), "{:?}", acks[1]);
+    }
+
+    pub async fn pipelined_publishes_keep_call_order(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let mut pending = Vec::new();
+        for i in 0..100u32 {
+            let msg = OutboundMessage::new("q.a", Bytes::from(i.to_be_bytes().to_vec())).with_id(format!("pp{i}"));
+            pending.push(b.publish_pipelined(msg).await.expect("queued"));
+        }
+        let acks = futures::future::join_all(pending).await;
+        let seqs: Vec<u64> = acks.into_iter().map(|a| a.expect("ack").seq).collect();
+        assert_eq!(seqs, (1..=100).collect::<Vec<_>>(), "stored in call order");
+        let late = b.publish_pipelined(OutboundMessage::new("nowhere.at.all", "x")).await;
+        match late {
+            Ok(fut) => assert!(matches!(fut.await, Err(BrokerError::NoStream { .. }))),
+            Err(e) => assert!(matches!(e, BrokerError::NoStream { .. }), "{e}"),
+        }
     }
 
     pub async fn publish_expectation_is_checked(b: SharedBroker) {

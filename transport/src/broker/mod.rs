@@ -39,6 +39,8 @@ use tokio::sync::broadcast;
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 /// A boxed, sendable, `'static` stream.
 pub type BoxStream<T> = Pin<Box<dyn futures::Stream<Item = T> + Send + 'static>>;
+/// A publish on its way: resolves with the broker's ack.
+pub type PendingPublish = BoxFuture<BrokerResult<PublishAck>>;
 /// The broker as the rest of Flotilla holds it.
 pub type SharedBroker = Arc<dyn Broker>;
 /// Result of a broker operation.
@@ -93,6 +95,16 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// [`BrokerError::NoStream`] when no stream takes the subject,
     /// [`BrokerError::WrongLastSequence`] when an expectation fails, transport errors.
     fn publish(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PublishAck>>;
+
+    /// Queues a publish and resolves once it is sent (publishes queued by successive
+    /// calls go out in call order), with a future of its ack. This is how outputs are
+    /// pipelined across messages: the caller keeps the ack futures and acknowledges its
+    /// input only once they resolve.
+    ///
+    /// # Errors
+    /// The outer result fails when the publish could not be queued; the inner future
+    /// as [`publish`](Self::publish).
+    fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PendingPublish>>;
 
     /// Publishes many messages pipelined (all sent before any ack is awaited, in order)
     /// and resolves with one result per message, in order.

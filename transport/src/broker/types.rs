@@ -389,8 +389,17 @@ pub struct DeliveryInfo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AckToken(pub(crate) AckTokenInner);
 
+impl AckToken {
+    /// A token for a message read by sequence rather than delivered: it cannot be acked.
+    pub fn none() -> Self {
+        AckToken(AckTokenInner::Detached)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum AckTokenInner {
+    /// Not a delivery: acking it is an error.
+    Detached,
     /// JetStream: the reply subject of the delivery.
     Reply(String),
     /// Embedded: stream, consumer, stream sequence.

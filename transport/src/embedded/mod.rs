@@ -255,6 +255,11 @@ impl Broker for EmbeddedBroker {
         ready(self.inner.publish_now(msg))
     }
 
+    fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<crate::broker::PendingPublish>> {
+        let ack = self.inner.publish_now(msg);
+        ready(Ok(Box::pin(std::future::ready(ack)) as crate::broker::PendingPublish))
+    }
+
     fn publish_batch(&self, msgs: Vec<OutboundMessage>) -> BoxFuture<Vec<BrokerResult<PublishAck>>> {
         ready(msgs.into_iter().map(|m| self.inner.publish_now(m)).collect())
     }

@@ -576,8 +576,8 @@ fn ack_body(kind: AckKind) -> Bytes {
 fn reply_of(token: &AckToken) -> BrokerResult<String> {
     match &token.0 {
         AckTokenInner::Reply(r) => Ok(r.clone()),
-        AckTokenInner::Embedded { .. } => {
-            Err(BrokerError::other("ack", "an embedded-broker delivery cannot be acked on JetStream"))
+        AckTokenInner::Embedded { .. } | AckTokenInner::Detached => {
+            Err(BrokerError::other("ack", "not a delivery of this JetStream connection"))
         }
     }
 }
@@ -655,6 +655,19 @@ impl Broker for JetStreamBroker {
             let (subject, expected, fut) = inner.publish_enqueue(msg).await?;
             let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, inner.request_timeout))?;
             Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
+        })
+    }
+
+    fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<crate::broker::PendingPublish>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let (subject, expected, fut) = inner.publish_enqueue(msg).await?;
+            let timeout = inner.request_timeout;
+            let pending: crate::broker::PendingPublish = Box::pin(async move {
+                let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, timeout))?;
+                Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
+            });
+            Ok(pending)
         })
     }
 

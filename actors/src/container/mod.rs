@@ -1,0 +1,507 @@
+//! `Container`: the node's run loop for one job.
+//!
+//! It owns the task workers of the inputs this node consumes — one per ordered
+//! partition, one per queue input — and pulls for each only what its worker can take:
+//! for an ordered partition, up to the commit window of uncommitted messages; for a
+//! queue input, up to `max_concurrency` messages in flight, so the backlog stays in the
+//! broker. It routes claimed messages to the workers, tracks coordinator requests
+//! (a task's `shutdown(CurrentTask | AllTasksInContainer)`), applies the failure policy
+//! (fail the container, or restart the task), backs off with jitter while the broker
+//! is unreachable (keeping in-flight work, emitting `queue_unavailable`), watches the
+//! backlog (`degraded` after several high checks, `recovered` after), and has the
+//! reaper sweep queue inputs for stranded messages.
+//!
+//! Supervision: started by the job runner; when it exits it reports a
+//! [`ContainerExit`] through the channel it was given and stops.
+
+mod messages;
+
+pub use messages::{ContainerExit, StopContainer};
+
+use crate::config::FailurePolicy;
+use crate::events::{Event, emit};
+use crate::reaper::{Reaper, Sweep};
+use crate::state::{CoordinatorRequests, ShutdownScope};
+use crate::task_worker::{Deliver, Outcome, StopWorker, WorkerReport};
+use crate::timer_service::{After, Every, Tick, TimerService};
+use actix::prelude::*;
+use flotilla_transport::broker::SharedBroker;
+use flotilla_transport::wire::Subjects;
+use rand::Rng;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+/// The addresses of a running worker.
+#[derive(Debug, Clone)]
+pub struct WorkerHandle {
+    /// Where claimed messages go.
+    pub deliver: Recipient<Deliver>,
+    /// Where stop requests go.
+    pub stop: Recipient<StopWorker>,
+}
+
+/// What the container needs to start a worker for a slot.
+pub struct SlotContext {
+    /// The slot's index.
+    pub slot: usize,
+    /// The container, for the worker's reports.
+    pub container: Recipient<WorkerReport>,
+    /// The node's timer service.
+    pub timers: Addr<TimerService>,
+    /// The node's reaper.
+    pub reaper: Addr<Reaper>,
+}
+
+/// Starts a worker for a slot.
+pub type SpawnWorker = Box<dyn Fn(SlotContext) -> WorkerHandle>;
+
+/// One input partition (or queue input) the container consumes.
+pub struct SlotSpec {
+    /// The input stream's name.
+    pub stream: String,
+    /// The partition (ordered inputs).
+    pub partition: Option<u32>,
+    /// The JetStream stream.
+    pub js_stream: String,
+    /// The durable consumer.
+    pub consumer: String,
+    /// Messages the worker may hold at once (claimed, not yet finished).
+    pub capacity: usize,
+    /// What a failure of this slot's task does.
+    pub policy: FailurePolicy,
+    /// Whether the reaper sweeps this input for stranded messages (queue inputs).
+    pub sweep: bool,
+    /// Starts the worker.
+    pub spawn: SpawnWorker,
+}
+
+impl std::fmt::Debug for SlotSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotSpec")
+            .field("stream", &self.stream)
+            .field("partition", &self.partition)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Slot {
+    spec: SlotSpec,
+    worker: Option<WorkerHandle>,
+    outstanding: usize,
+    claiming: bool,
+    finished: bool,
+    failures: u32,
+    backoff_until: Option<tokio::time::Instant>,
+    /// Restarts since the task last finished a message.
+    restarts: u32,
+}
+
+/// Container settings.
+#[derive(Debug, Clone)]
+pub struct ContainerConfig {
+    /// How long one claim waits for messages.
+    pub claim_wait: Duration,
+    /// How often the backlog is checked.
+    pub backlog_interval: Duration,
+    /// Backlog (messages waiting) above which a check counts as high.
+    pub backlog_threshold: u64,
+    /// Consecutive high checks before `degraded` is emitted.
+    pub backlog_strikes: u32,
+    /// How often queue inputs are swept for stranded messages.
+    pub sweep_interval: Duration,
+    /// How long a graceful stop may take before the container exits anyway.
+    pub stop_timeout: Duration,
+}
+
+impl Default for ContainerConfig {
+    fn default() -> Self {
+        Self {
+            claim_wait: Duration::from_secs(1),
+            backlog_interval: Duration::from_secs(5),
+            backlog_threshold: 10_000,
+            backlog_strikes: 3,
+            sweep_interval: Duration::from_secs(60),
+            stop_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The container actor.
+pub struct Container {
+    broker: SharedBroker,
+    subjects: Subjects,
+    config: ContainerConfig,
+    slots: Vec<Slot>,
+    timers: Addr<TimerService>,
+    reaper: Addr<Reaper>,
+    requests: CoordinatorRequests<usize>,
+    exit: Option<oneshot::Sender<ContainerExit>>,
+    stopping: bool,
+    failure: Option<String>,
+    strikes: u32,
+    degraded: bool,
+    backlog_check_running: bool,
+}
+
+impl std::fmt::Debug for Container {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Container")
+            .field("slots", &self.slots.len())
+            .field("stopping", &self.stopping)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Container {
+    /// A container over `slots`; it reports how it ended on `exit`.
+    pub fn new(
+        broker: SharedBroker,
+        subjects: Subjects,
+        config: ContainerConfig,
+        slots: Vec<SlotSpec>,
+        timers: Addr<TimerService>,
+        reaper: Addr<Reaper>,
+        exit: oneshot::Sender<ContainerExit>,
+    ) -> Self {
+        let requests = CoordinatorRequests::new(0..slots.len());
+        let slots = slots
+            .into_iter()
+            .map(|spec| Slot {
+                spec,
+                worker: None,
+                outstanding: 0,
+                claiming: false,
+                finished: false,
+                failures: 0,
+                backoff_until: None,
+                restarts: 0,
+            })
+            .collect();
+        Self {
+            broker,
+            subjects,
+            config,
+            slots,
+            timers,
+            reaper,
+            requests,
+            exit: Some(exit),
+            stopping: false,
+            failure: None,
+            strikes: 0,
+            degraded: false,
+            backlog_check_running: false,
+        }
+    }
+
+    fn spawn_worker(&mut self, i: usize, ctx: &mut Context<Self>) {
+        let sc = SlotContext {
+            slot: i,
+            container: ctx.address().recipient(),
+            timers: self.timers.clone(),
+            reaper: self.reaper.clone(),
+        };
+        let handle = (self.slots[i].spec.spawn)(sc);
+        let slot = &mut self.slots[i];
+        slot.worker = Some(handle);
+        slot.outstanding = 0;
+        slot.finished = false;
+    }
+
+    /// Starts claims for every slot with room.
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        let now = tokio::time::Instant::now();
+        for i in 0..self.slots.len() {
+            let slot = &mut self.slots[i];
+            if slot.claiming || slot.finished || slot.worker.is_none() || slot.backoff_until.is_some_and(|t| t > now) {
+                continue;
+            }
+            let free = slot.spec.capacity.saturating_sub(slot.outstanding);
+            if free == 0 {
+                continue;
+            }
+            slot.claiming = true;
+            let fut = self.broker.claim(&slot.spec.js_stream, &slot.spec.consumer, free, self.config.claim_wait);
+            ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+                act.claimed(i, result, ctx);
+                act.pump(ctx);
+            }));
+        }
+    }
+
+    fn claimed(
+        &mut self,
+        i: usize,
+        result: flotilla_transport::broker::BrokerResult<Vec<flotilla_transport::broker::Delivery>>,
+        ctx: &mut Context<Self>,
+    ) {
+        let broker = self.broker.clone();
+        let subjects = self.subjects.clone();
+        let slot = &mut self.slots[i];
+        slot.claiming = false;
+        match result {
+            Ok(batch) => {
+                if slot.failures > 0 {
+                    slot.failures = 0;
+                    emit(&broker, &subjects, Event::QueueAvailable { stream: slot.spec.stream.clone() });
+                }
+                if batch.is_empty() {
+                    return;
+                }
+                match &slot.worker {
+                    Some(w) if !slot.finished => {
+                        slot.outstanding += batch.len();
+                        w.deliver.do_send(Deliver(batch));
+                    }
+                    _ => {
+                        // Nobody to take them: hand them back at once.
+                        for d in batch {
+                            let fut = broker.ack(&d.token, flotilla_transport::broker::AckKind::Nak(None));
+                            actix::spawn(async move {
+                                let _ = fut.await;
+                            });
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                slot.failures += 1;
+                let base = Duration::from_millis(100).saturating_mul(1 << slot.failures.min(8));
+                let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.5..1.5));
+                slot.backoff_until = Some(tokio::time::Instant::now() + delay);
+                if slot.failures == 1 || slot.failures.is_multiple_of(10) {
+                    emit(
+                        &broker,
+                        &subjects,
+                        Event::QueueUnavailable {
+                            stream: slot.spec.stream.clone(),
+                            error: e.to_string(),
+                            retry_in_ms: delay.as_millis() as u64,
+                        },
+                    );
+                }
+                self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Resume });
+            }
+        }
+    }
+
+    fn stop_all(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping {
+            return;
+        }
+        self.stopping = true;
+        for slot in &self.slots {
+            if let (Some(w), false) = (&slot.worker, slot.finished) {
+                w.stop.do_send(StopWorker);
+            }
+        }
+        ctx.run_later(self.config.stop_timeout, |act, ctx| {
+            warn!("workers did not stop in time; exiting anyway");
+            act.exit(ctx);
+        });
+        self.maybe_exit(ctx);
+    }
+
+    fn maybe_exit(&mut self, ctx: &mut Context<Self>) {
+        if self.slots.iter().all(|s| s.finished || s.worker.is_none()) {
+            self.exit(ctx);
+        }
+    }
+
+    fn exit(&mut self, ctx: &mut Context<Self>) {
+        if let Some(tx) = self.exit.take() {
+            let exit = match self.failure.take() {
+                Some(reason) => ContainerExit::Failed(reason),
+                None => ContainerExit::Completed,
+            };
+            info!(?exit, "container exits");
+            let _ = tx.send(exit);
+        }
+        ctx.stop();
+    }
+
+    fn check_backlog(&mut self, ctx: &mut Context<Self>) {
+        if self.backlog_check_running {
+            return;
+        }
+        self.backlog_check_running = true;
+        let broker = self.broker.clone();
+        let targets: Vec<(String, Option<u32>, String, String)> = self
+            .slots
+            .iter()
+            .filter(|s| !s.finished)
+            .map(|s| (s.spec.stream.clone(), s.spec.partition, s.spec.js_stream.clone(), s.spec.consumer.clone()))
+            .collect();
+        let fut = async move {
+            let mut readings = Vec::new();
+            for (stream, partition, js, consumer) in targets {
+                if let Ok(c) = broker.consumer_state(&js, &consumer).await {
+                    let waiting = c.num_pending + c.num_ack_pending;
+                    let first = c.ack_floor + 1;
+                    let age = match broker.get_message(&js, first).await {
+                        Ok(Some(m)) => std::time::SystemTime::now().duration_since(m.published).unwrap_or_default(),
+                        _ => Duration::ZERO,
+                    };
+                    readings.push((stream, partition, waiting, age));
+                }
+            }
+            readings
+        };
+        ctx.spawn(fut.into_actor(self).map(|readings, act, _| {
+            act.backlog_check_running = false;
+            let total: u64 = readings.iter().map(|r| r.2).sum();
+            if total > act.config.backlog_threshold {
+                act.strikes += 1;
+                if act.strikes >= act.config.backlog_strikes && !act.degraded {
+                    act.degraded = true;
+                    if let Some((stream, partition, backlog, age)) = readings.into_iter().max_by_key(|r| r.2) {
+                        emit(
+                            &act.broker,
+                            &act.subjects,
+                            Event::Degraded {
+                                stream,
+                                partition,
+                                backlog,
+                                oldest_age_ms: age.as_millis() as u64,
+                                total_backlog: total,
+                            },
+                        );
+                    }
+                }
+            } else {
+                act.strikes = 0;
+                if act.degraded {
+                    act.degraded = false;
+                    emit(&act.broker, &act.subjects, Event::Recovered { total_backlog: total });
+                }
+            }
+        }));
+    }
+}
+
+impl Actor for Container {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        for i in 0..self.slots.len() {
+            self.spawn_worker(i, ctx);
+        }
+        let me = ctx.address().recipient::<Tick>();
+        self.timers.do_send(Every { period: self.config.backlog_interval, target: me.clone(), tick: Tick::Backlog });
+        if self.slots.iter().any(|s| s.spec.sweep) {
+            self.timers.do_send(Every { period: self.config.sweep_interval, target: me, tick: Tick::Sweep });
+        }
+        self.pump(ctx);
+    }
+}
+
+impl Handler<WorkerReport> for Container {
+    type Result = ();
+
+    fn handle(&mut self, report: WorkerReport, ctx: &mut Context<Self>) {
+        match report {
+            WorkerReport::Completed { slot, count } => {
+                if let Some(s) = self.slots.get_mut(slot) {
+                    s.outstanding = s.outstanding.saturating_sub(count);
+                    s.restarts = 0;
+                }
+            }
+            WorkerReport::ShutdownRequested { slot, scope } => {
+                self.requests.request(slot, scope);
+                if self.requests.should_shutdown() {
+                    info!(?scope, "tasks asked to shut down the container");
+                    self.stop_all(ctx);
+                } else if scope == ShutdownScope::CurrentTask
+                    && let Some(w) = self.slots.get(slot).and_then(|s| s.worker.as_ref())
+                {
+                    w.stop.do_send(StopWorker);
+                }
+            }
+            WorkerReport::Finished { slot, outcome } => {
+                let Some(s) = self.slots.get_mut(slot) else { return };
+                s.finished = true;
+                s.outstanding = 0;
+                match outcome {
+                    Outcome::Failed(reason) if !self.stopping => match s.spec.policy {
+                        FailurePolicy::FailContainer => {
+                            self.failure = Some(format!(
+                                "task {} partition {:?} failed: {reason}",
+                                s.spec.stream, s.spec.partition
+                            ));
+                            self.stop_all(ctx);
+                        }
+                        FailurePolicy::RestartTask => {
+                            // Back off exponentially, so a message that fails the task
+                            // every time does not restart it in a tight loop.
+                            s.restarts += 1;
+                            s.worker = None;
+                            let base = Duration::from_millis(100).saturating_mul(1 << s.restarts.min(9));
+                            let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.8..1.2));
+                            warn!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
+                            self.timers.do_send(After {
+                                delay,
+                                target: ctx.address().recipient(),
+                                tick: Tick::Restart(slot),
+                            });
+                        }
+                    },
+                    Outcome::Drained | Outcome::EndOfStream => {
+                        self.requests.request(slot, ShutdownScope::CurrentTask);
+                        if self.requests.should_shutdown() {
+                            self.stop_all(ctx);
+                        }
+                    }
+                    _ => {}
+                }
+                if self.stopping {
+                    self.maybe_exit(ctx);
+                }
+            }
+        }
+        self.pump(ctx);
+    }
+}
+
+impl Handler<StopContainer> for Container {
+    type Result = ();
+
+    fn handle(&mut self, _: StopContainer, ctx: &mut Context<Self>) {
+        info!("graceful stop requested");
+        self.stop_all(ctx);
+    }
+}
+
+impl Handler<Tick> for Container {
+    type Result = ();
+
+    fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
+        match tick {
+            Tick::Resume => {}
+            Tick::Restart(slot) if !self.stopping && self.slots.get(slot).is_some_and(|s| s.worker.is_none()) => {
+                self.spawn_worker(slot, ctx);
+            }
+            Tick::Backlog => self.check_backlog(ctx),
+            Tick::Sweep => {
+                for s in self.slots.iter().filter(|s| s.spec.sweep && !s.finished) {
+                    let sweep = Sweep {
+                        stream: s.spec.stream.clone(),
+                        js_stream: s.spec.js_stream.clone(),
+                        consumer: s.spec.consumer.clone(),
+                    };
+                    let fut = self.reaper.send(sweep);
+                    actix::spawn(async move {
+                        if let Ok(Err(e)) = fut.await {
+                            warn!(error = %e, "sweep failed");
+                        }
+                    });
+                }
+            }
+            _ => {}
+        }
+        self.pump(ctx);
+    }
+}

@@ -1,0 +1,102 @@
+//! Typed runtime events: logged, and published on `flotilla.<job>._evt.<type>` as JSON.
+
+use flotilla_transport::broker::{CoreMessage, SharedBroker};
+use flotilla_transport::wire::Subjects;
+use serde::Serialize;
+use tracing::{info, warn};
+
+/// Something operators want to know about.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Event {
+    /// A message went to the dead-letter stream.
+    DeadLettered {
+        /// Input stream.
+        stream: String,
+        /// Partition, for ordered inputs.
+        partition: Option<u32>,
+        /// Its stream sequence.
+        seq: u64,
+        /// The reason code.
+        reason: String,
+        /// Details.
+        detail: String,
+    },
+    /// A task failed.
+    TaskFailed {
+        /// Input stream.
+        stream: String,
+        /// Partition, for ordered inputs.
+        partition: Option<u32>,
+        /// Why.
+        reason: String,
+    },
+    /// The broker cannot be reached: in-flight work is kept, claims back off.
+    QueueUnavailable {
+        /// Input stream.
+        stream: String,
+        /// The error.
+        error: String,
+        /// When the next attempt is, in milliseconds.
+        retry_in_ms: u64,
+    },
+    /// The broker answers again.
+    QueueAvailable {
+        /// Input stream.
+        stream: String,
+    },
+    /// The backlog stayed above the threshold for several checks.
+    Degraded {
+        /// The stream holding most of it.
+        stream: String,
+        /// Its partition, for ordered inputs.
+        partition: Option<u32>,
+        /// Messages waiting there.
+        backlog: u64,
+        /// Age of the oldest waiting message, in milliseconds.
+        oldest_age_ms: u64,
+        /// Messages waiting across the job's inputs on this node.
+        total_backlog: u64,
+    },
+    /// The backlog is back under the threshold.
+    Recovered {
+        /// Messages waiting across the job's inputs on this node.
+        total_backlog: u64,
+    },
+}
+
+impl Event {
+    /// The subject suffix: `dead_lettered`, `queue_unavailable`, `degraded`, …
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Event::DeadLettered { .. } => "dead_lettered",
+            Event::TaskFailed { .. } => "task_failed",
+            Event::QueueUnavailable { .. } => "queue_unavailable",
+            Event::QueueAvailable { .. } => "queue_available",
+            Event::Degraded { .. } => "degraded",
+            Event::Recovered { .. } => "recovered",
+        }
+    }
+}
+
+/// Logs the event and publishes it (best effort: events are notifications).
+pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
+    let kind = event.type_name();
+    match &event {
+        Event::QueueAvailable { .. } | Event::Recovered { .. } => {
+            info!(event = kind, detail = ?event, "flotilla event")
+        }
+        _ => warn!(event = kind, detail = ?event, "flotilla event"),
+    }
+    let payload = match serde_json::to_vec(&event) {
+        Ok(p) => p,
+        Err(e) => {
+            warn!(error = %e, "event not encodable");
+            return;
+        }
+    };
+    let fut = broker.core_publish(CoreMessage::new(subjects.event(kind), payload));
+    actix::spawn(async move {
+        let _ = fut.await;
+    });
+}

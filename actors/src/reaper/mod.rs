@@ -1,0 +1,141 @@
+//! `Reaper`: takes back work nobody will finish.
+//!
+//! It moves poison and undecodable messages to the dead-letter stream with the reason
+//! (the worker then skips or terminates them), and sweeps queue inputs for messages
+//! stranded at the consumer's max deliveries — JetStream keeps those in the stream,
+//! invisible, forever. Taking over partitions whose lease expired joins it with the
+//! cluster layer.
+//!
+//! Supervision: started by the job runner on the container's arbiter; every operation
+//! is idempotent (dead letters carry `Nats-Msg-Id: dlq-<stream>-<seq>`), so a restart
+//! loses nothing.
+
+mod messages;
+
+pub use messages::{DeadLetter, Sweep};
+
+use crate::events::{Event, emit};
+use actix::prelude::*;
+use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::{StreamName, Subjects, headers};
+use tracing::debug;
+
+/// The reaper actor.
+#[derive(Debug)]
+pub struct Reaper {
+    broker: SharedBroker,
+    subjects: Subjects,
+}
+
+impl Reaper {
+    /// A reaper for one job.
+    pub fn new(broker: SharedBroker, subjects: Subjects) -> Self {
+        Self { broker, subjects }
+    }
+}
+
+impl Actor for Reaper {
+    type Context = Context<Self>;
+}
+
+/// Builds the dead letter of a message: original payload and headers, a new id and
+/// the reason headers.
+fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<OutboundMessage, BrokerError> {
+    let stream = StreamName::new(msg.stream.clone())?;
+    let d = &msg.delivery;
+    let mut out = OutboundMessage::new(subjects.dlq(&stream), d.payload.clone());
+    out.headers = d.headers.clone();
+    out.headers.insert(headers::MSG_ID, format!("dlq-{}-{}", d.info.stream, d.info.stream_seq));
+    out.headers.insert(headers::DLQ_REASON, msg.reason);
+    out.headers.insert(headers::DLQ_DETAIL, msg.detail.replace(['\r', '\n'], " "));
+    out.headers.insert(headers::DLQ_STREAM, d.info.stream.to_string());
+    out.headers.insert(headers::DLQ_SUBJECT, d.subject.clone());
+    out.headers.insert(headers::DLQ_SEQ, d.info.stream_seq.to_string());
+    out.headers.insert(headers::DLQ_DELIVERIES, d.info.delivered.to_string());
+    Ok(out)
+}
+
+impl Handler<DeadLetter> for Reaper {
+    type Result = ResponseFuture<Result<(), BrokerError>>;
+
+    fn handle(&mut self, msg: DeadLetter, _: &mut Context<Self>) -> Self::Result {
+        let broker = self.broker.clone();
+        let subjects = self.subjects.clone();
+        Box::pin(async move {
+            let out = dead_letter_message(&subjects, &msg)?;
+            broker.publish(out).await?;
+            emit(
+                &broker,
+                &subjects,
+                Event::DeadLettered {
+                    stream: msg.stream,
+                    partition: msg.partition,
+                    seq: msg.delivery.info.stream_seq,
+                    reason: msg.reason.to_owned(),
+                    detail: msg.detail,
+                },
+            );
+            Ok(())
+        })
+    }
+}
+
+impl Handler<Sweep> for Reaper {
+    type Result = ResponseFuture<Result<usize, BrokerError>>;
+
+    fn handle(&mut self, msg: Sweep, _: &mut Context<Self>) -> Self::Result {
+        let broker = self.broker.clone();
+        let subjects = self.subjects.clone();
+        Box::pin(async move {
+            let consumer = broker.consumer_state(&msg.js_stream, &msg.consumer).await?;
+            let stream = broker.stream_state(&msg.js_stream).await?;
+            // Nothing undelivered and nothing held by anyone, yet messages remain: those
+            // at or below the last delivered sequence are stranded at max deliveries.
+            if consumer.num_pending > 0 || consumer.num_ack_pending > 0 || stream.messages == 0 {
+                return Ok(0);
+            }
+            let mut moved = 0;
+            for seq in stream.first_seq..=stream.last_seq.min(consumer.delivered) {
+                let Some(stored) = broker.get_message(&msg.js_stream, seq).await? else { continue };
+                let delivery = flotilla_transport::broker::Delivery {
+                    subject: stored.subject,
+                    headers: stored.headers,
+                    payload: stored.payload,
+                    info: flotilla_transport::broker::DeliveryInfo {
+                        stream: msg.js_stream.as_str().into(),
+                        consumer: msg.consumer.as_str().into(),
+                        stream_seq: seq,
+                        consumer_seq: 0,
+                        delivered: u64::from(consumer.spec.max_deliver.unwrap_or(0)),
+                        pending: 0,
+                        published: stored.published,
+                    },
+                    token: flotilla_transport::broker::AckToken::none(),
+                };
+                let letter = DeadLetter {
+                    delivery,
+                    stream: msg.stream.clone(),
+                    partition: None,
+                    reason: "max-deliveries",
+                    detail: "stranded in the stream after the consumer's max deliveries".into(),
+                };
+                broker.publish(dead_letter_message(&subjects, &letter)?).await?;
+                broker.delete_message(&msg.js_stream, seq).await?;
+                emit(
+                    &broker,
+                    &subjects,
+                    Event::DeadLettered {
+                        stream: msg.stream.clone(),
+                        partition: None,
+                        seq,
+                        reason: "max-deliveries".into(),
+                        detail: letter.detail,
+                    },
+                );
+                moved += 1;
+            }
+            debug!(stream = %msg.js_stream, moved, "sweep done");
+            Ok(moved)
+        })
+    }
+}

@@ -1,0 +1,90 @@
+//! Typed stream definitions.
+
+use std::marker::PhantomData;
+
+/// How a stream is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    /// Partitioned by key, in order per partition, one task per partition.
+    Ordered {
+        /// Number of partitions (fixed at creation).
+        partitions: u32,
+    },
+    /// A work queue: no order, every node competes.
+    Queue,
+}
+
+/// A named, typed stream of `T`: `const ORDERS: StreamDef<Order> = StreamDef::ordered("orders", 8);`
+pub struct StreamDef<T> {
+    name: &'static str,
+    kind: StreamKind,
+    type_name: Option<&'static str>,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for StreamDef<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for StreamDef<T> {}
+
+impl<T> std::fmt::Debug for StreamDef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamDef").field("name", &self.name).field("kind", &self.kind).finish()
+    }
+}
+
+impl<T> StreamDef<T> {
+    /// An ordered stream with `partitions` partitions.
+    pub const fn ordered(name: &'static str, partitions: u32) -> Self {
+        Self { name, kind: StreamKind::Ordered { partitions }, type_name: None, _type: PhantomData }
+    }
+
+    /// A queue stream.
+    pub const fn queue(name: &'static str) -> Self {
+        Self { name, kind: StreamKind::Queue, type_name: None, _type: PhantomData }
+    }
+
+    /// Sets the type name carried in `Flotilla-Type` (default: `T`'s name without its path).
+    pub const fn with_type_name(mut self, type_name: &'static str) -> Self {
+        self.type_name = Some(type_name);
+        self
+    }
+
+    /// The stream's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Its layout.
+    pub fn kind(&self) -> StreamKind {
+        self.kind
+    }
+
+    /// The type name in `Flotilla-Type`.
+    pub fn type_name(&self) -> &'static str {
+        self.type_name.unwrap_or_else(short_type_name::<T>)
+    }
+}
+
+/// `T`'s name without module path or generics: `relay::Record` → `Record`.
+pub fn short_type_name<T>() -> &'static str {
+    let full = std::any::type_name::<T>();
+    let base = full.split('<').next().unwrap_or(full);
+    base.rsplit("::").next().unwrap_or(base)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Record;
+
+    #[test]
+    fn type_names_are_short() {
+        assert_eq!(StreamDef::<Record>::ordered("relay-in", 8).type_name(), "Record");
+        assert_eq!(StreamDef::<Vec<u8>>::queue("raw").type_name(), "Vec");
+        assert_eq!(StreamDef::<Record>::queue("q").with_type_name("relay.Record").type_name(), "relay.Record");
+    }
+}

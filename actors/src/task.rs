@@ -1,0 +1,430 @@
+//! What a user writes: a [`Task`], and the [`TaskContext`] it works through.
+//!
+//! ```no_run
+//! use flotilla_actors::{StreamDef, Task, TaskContext, TaskError};
+//! use serde::{Deserialize, Serialize};
+//! use std::collections::HashMap;
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Order { id: u64, customer: String, cents: u64 }
+//! #[derive(Serialize, Deserialize)]
+//! struct Total { customer: String, cents: u64 }
+//! const TOTALS: StreamDef<Total> = StreamDef::ordered("totals", 8);
+//!
+//! #[derive(Default)]
+//! struct Revenue { by_customer: HashMap<String, u64> }
+//!
+//! impl Task for Revenue {
+//!     type Input = Order;
+//!     async fn process(&mut self, order: Order, _ctx: &mut TaskContext) -> Result<(), TaskError> {
+//!         *self.by_customer.entry(order.customer).or_default() += order.cents;
+//!         Ok(())
+//!     }
+//!     async fn window(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
+//!         for (customer, cents) in self.by_customer.drain() {
+//!             ctx.send(&TOTALS, &customer.clone(), Total { customer, cents }).await?;
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//! ```
+//!
+//! # Concurrency without locks
+//!
+//! `process` gets `&mut self`, so one `process` call runs at a time. A task with
+//! `max_concurrency > 1` does its state changes synchronously, then hands the slow part
+//! to [`TaskContext::defer`] as a `'static` future; the message counts as in flight
+//! until that future completes, and the next message's `process` starts at once.
+//! Outputs sent from a deferred future go through [`TaskContext::outputs`].
+
+use crate::state::ShutdownScope;
+use crate::stream::{StreamDef, StreamKind};
+use flotilla_transport::broker::{BrokerError, OutboundMessage, PendingPublish, SharedBroker};
+use flotilla_transport::clock::unix_millis;
+use flotilla_transport::topology;
+use flotilla_transport::wire::{Codec, Headers, MessageId, StreamName, Subjects, headers, partition_for};
+use futures::future::LocalBoxFuture;
+use serde::{Serialize, de::DeserializeOwned};
+use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
+use std::future::Future;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+/// Why a task callback did not succeed.
+///
+/// Any error converts with `?` into [`TaskError::Failed`]. `TaskError` deliberately does
+/// not implement `std::error::Error`, so that blanket conversion is possible.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TaskError {
+    /// This message failed: retry it by the retry policy, then dead-letter it.
+    Failed(String),
+    /// The task cannot go on: fail the container or restart the task, by policy.
+    Fatal(String),
+}
+
+impl TaskError {
+    /// A failed attempt.
+    pub fn failed(reason: impl Into<String>) -> Self {
+        TaskError::Failed(reason.into())
+    }
+
+    /// A failure of the task itself.
+    pub fn fatal(reason: impl Into<String>) -> Self {
+        TaskError::Fatal(reason.into())
+    }
+
+    /// The reason text.
+    pub fn reason(&self) -> &str {
+        match self {
+            TaskError::Failed(r) | TaskError::Fatal(r) => r,
+        }
+    }
+}
+
+impl std::fmt::Display for TaskError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TaskError::Failed(r) => write!(f, "failed: {r}"),
+            TaskError::Fatal(r) => write!(f, "fatal: {r}"),
+        }
+    }
+}
+
+impl<E: std::error::Error> From<E> for TaskError {
+    fn from(err: E) -> Self {
+        let mut text = err.to_string();
+        let mut source = err.source();
+        while let Some(s) = source {
+            text.push_str(": ");
+            text.push_str(&s.to_string());
+            source = s.source();
+        }
+        TaskError::Failed(text)
+    }
+}
+
+/// The user's actor for one partition (or, for a queue input, for one node).
+///
+/// Every hook but `process` has a default that does nothing.
+pub trait Task: 'static {
+    /// The input message type (serde, encoded with the wire codec).
+    type Input: DeserializeOwned + 'static;
+
+    /// Processes one message.
+    fn process(&mut self, input: Self::Input, ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>>;
+
+    /// Runs once before the first message.
+    fn init(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// Runs every window interval, never while a `process` runs.
+    fn window(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// Runs before each commit of the input position.
+    fn commit(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// A timer scheduled with [`TaskContext::schedule`] is due.
+    fn timer(&mut self, _name: String, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// Every input saw a drain marker of the current run; everything before was processed.
+    fn drain(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// Every input ended.
+    fn end_of_stream(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+
+    /// The task is stopping (graceful leave, rebalance, shutdown).
+    fn shutdown(&mut self, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
+        async { Ok(()) }
+    }
+}
+
+/// What the runtime shares with every task of a job on this node.
+#[derive(Debug)]
+pub struct TaskEnv {
+    /// The broker.
+    pub broker: SharedBroker,
+    /// The payload codec.
+    pub codec: Codec,
+    /// The job's subjects.
+    pub subjects: Subjects,
+    /// The current run id (drain markers carry it).
+    pub run_id: String,
+    provisioned: RefCell<HashSet<&'static str>>,
+}
+
+impl TaskEnv {
+    /// An environment for `subjects`' job.
+    pub fn new(broker: SharedBroker, codec: Codec, subjects: Subjects, run_id: impl Into<String>) -> Self {
+        Self { broker, codec, subjects, run_id: run_id.into(), provisioned: RefCell::new(HashSet::new()) }
+    }
+
+    /// Makes sure the stream behind `def` exists (once per node).
+    async fn ensure_output<T>(&self, def: &StreamDef<T>) -> Result<StreamName, TaskError> {
+        let name = StreamName::new(def.name()).map_err(|e| TaskError::fatal(e.to_string()))?;
+        if self.provisioned.borrow().contains(def.name()) {
+            return Ok(name);
+        }
+        let spec = match def.kind() {
+            StreamKind::Ordered { .. } => topology::ordered_stream(&self.subjects, &name, None),
+            StreamKind::Queue => topology::queue_stream(&self.subjects, &name),
+        };
+        self.broker
+            .ensure_stream(spec)
+            .await
+            .map_err(|e| TaskError::fatal(format!("output stream {}: {e}", def.name())))?;
+        self.provisioned.borrow_mut().insert(def.name());
+        Ok(name)
+    }
+}
+
+/// Metadata of the message being processed.
+#[derive(Debug, Clone)]
+pub struct MessageMeta {
+    /// Its `Nats-Msg-Id`.
+    pub id: MessageId,
+    /// Its key (`Flotilla-Key`), if it has one.
+    pub key: Option<String>,
+    /// The input stream's name.
+    pub stream: &'static str,
+    /// Its partition (ordered inputs).
+    pub partition: Option<u32>,
+    /// Its stream sequence.
+    pub stream_seq: u64,
+    /// How many times the broker delivered it (this delivery included).
+    pub delivered: u64,
+    /// This attempt's number (1 for the first).
+    pub attempt: u32,
+    /// When it was stored.
+    pub published: SystemTime,
+    /// All its headers.
+    pub headers: Headers,
+}
+
+/// Sends outputs; cloneable into deferred futures. Every output's publish ack is awaited
+/// before the input is acknowledged (effect before ack).
+#[derive(Clone)]
+pub struct Outputs {
+    env: Rc<TaskEnv>,
+    cause: Option<MessageId>,
+    traceparent: Option<String>,
+    epoch: u64,
+    next_index: Rc<Cell<u32>>,
+    pending: Rc<RefCell<Vec<PendingPublish>>>,
+}
+
+impl std::fmt::Debug for Outputs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outputs").field("cause", &self.cause).field("pending", &self.pending.borrow().len()).finish()
+    }
+}
+
+impl Outputs {
+    /// Publishes `value` with `key` to `stream` (partitioned by the key for ordered
+    /// streams). Resolves once the publish is queued; its ack is awaited by the runtime.
+    ///
+    /// # Errors
+    /// [`TaskError::Failed`] when the value cannot be encoded or the publish cannot be
+    /// queued (it is retried with the message).
+    pub async fn send<T: Serialize>(
+        &self,
+        stream: &StreamDef<T>,
+        key: &str,
+        value: impl std::borrow::Borrow<T>,
+    ) -> Result<(), TaskError> {
+        let name = self.env.ensure_output(stream).await?;
+        let payload = self.env.codec.encode(value.borrow()).map_err(|e| TaskError::failed(e.to_string()))?;
+        let subject = match stream.kind() {
+            StreamKind::Ordered { partitions } => {
+                self.env.subjects.ordered_partition(&name, partition_for(key, partitions))
+            }
+            StreamKind::Queue => self.env.subjects.queue(&name),
+        };
+        let index = self.next_index.get();
+        self.next_index.set(index + 1);
+        let id = match &self.cause {
+            Some(cause) => cause.derive_output(index),
+            None => MessageId::new_v7(),
+        };
+        let mut msg = OutboundMessage::new(subject, payload)
+            .with_id(id.as_str())
+            .with_header(headers::KEY, key)
+            .with_header(headers::TYPE, stream.type_name())
+            .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
+            .with_header(headers::EPOCH, self.epoch.to_string());
+        if let Some(cause) = &self.cause {
+            msg.headers.insert(headers::CAUSE, cause.as_str());
+        }
+        if let Some(tp) = &self.traceparent {
+            msg.headers.insert(headers::TRACEPARENT, tp.clone());
+        }
+        let pending =
+            self.env.broker.publish_pipelined(msg).await.map_err(|e: BrokerError| TaskError::failed(e.to_string()))?;
+        self.pending.borrow_mut().push(pending);
+        Ok(())
+    }
+
+    pub(crate) fn take_pending(&self) -> Vec<PendingPublish> {
+        std::mem::take(&mut *self.pending.borrow_mut())
+    }
+}
+
+/// Coordinator requests a task made during one callback.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Requests {
+    pub commit: bool,
+    pub shutdown: Option<ShutdownScope>,
+}
+
+/// The task's window on the runtime during one callback.
+pub struct TaskContext {
+    outputs: Outputs,
+    meta: Option<MessageMeta>,
+    partition: Option<u32>,
+    pub(crate) requests: Requests,
+    pub(crate) deferred: Option<LocalBoxFuture<'static, Result<(), TaskError>>>,
+    pub(crate) timers: Vec<(String, Duration)>,
+}
+
+impl std::fmt::Debug for TaskContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskContext")
+            .field("meta", &self.meta)
+            .field("partition", &self.partition)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TaskContext {
+    pub(crate) fn new(env: Rc<TaskEnv>, partition: Option<u32>, epoch: u64, meta: Option<MessageMeta>) -> Self {
+        let cause = meta.as_ref().map(|m| m.id.clone());
+        let traceparent = meta.as_ref().and_then(|m| m.headers.get(headers::TRACEPARENT).map(str::to_owned));
+        Self {
+            outputs: Outputs {
+                env,
+                cause,
+                traceparent,
+                epoch,
+                next_index: Rc::new(Cell::new(0)),
+                pending: Rc::new(RefCell::new(Vec::new())),
+            },
+            meta,
+            partition,
+            requests: Requests::default(),
+            deferred: None,
+            timers: Vec::new(),
+        }
+    }
+
+    /// The message being processed (`None` in `window`, `commit`, `timer`, …).
+    pub fn message(&self) -> Option<&MessageMeta> {
+        self.meta.as_ref()
+    }
+
+    /// The task's partition (ordered inputs).
+    pub fn partition(&self) -> Option<u32> {
+        self.partition
+    }
+
+    /// The fencing epoch stamped on outputs (the partition lease's revision; 0 without leases).
+    pub fn epoch(&self) -> u64 {
+        self.outputs.epoch
+    }
+
+    /// The job's current run id.
+    pub fn run_id(&self) -> &str {
+        &self.outputs.env.run_id
+    }
+
+    /// Sends an output; see [`Outputs::send`].
+    ///
+    /// # Errors
+    /// As [`Outputs::send`].
+    pub async fn send<T: Serialize>(
+        &mut self,
+        stream: &StreamDef<T>,
+        key: &str,
+        value: impl std::borrow::Borrow<T>,
+    ) -> Result<(), TaskError> {
+        self.outputs.send(stream, key, value).await
+    }
+
+    /// A handle that sends outputs of this message from a deferred future.
+    pub fn outputs(&self) -> Outputs {
+        self.outputs.clone()
+    }
+
+    /// Finishes this message with `fut`, which runs after `process` returns; the task
+    /// can process the next message meanwhile (up to `max_concurrency`).
+    pub fn defer(&mut self, fut: impl Future<Output = Result<(), TaskError>> + 'static) {
+        self.deferred = Some(Box::pin(fut));
+    }
+
+    /// Asks for a commit as soon as possible.
+    pub fn commit(&mut self) {
+        self.requests.commit = true;
+    }
+
+    /// Asks to shut down this task or the whole container.
+    pub fn shutdown(&mut self, scope: ShutdownScope) {
+        self.requests.shutdown = Some(scope);
+    }
+
+    /// Calls this task's `timer` hook with `name` after `after` (in memory: a timer does
+    /// not survive the node).
+    pub fn schedule(&mut self, name: impl Into<String>, after: Duration) {
+        self.timers.push((name.into(), after));
+    }
+
+    /// Runs blocking work on the blocking pool, off the actor thread.
+    ///
+    /// # Errors
+    /// [`TaskError::Failed`] when the closure panicked.
+    pub async fn spawn_blocking<R: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> R + Send + 'static,
+    ) -> Result<R, TaskError> {
+        tokio::task::spawn_blocking(f).await.map_err(|e| TaskError::failed(format!("blocking work failed: {e}")))
+    }
+
+    pub(crate) fn outputs_handle(&self) -> &Outputs {
+        &self.outputs
+    }
+
+    /// Decodes a message for `T`, checking its type header. Used by the worker.
+    pub(crate) fn decode<T: DeserializeOwned>(
+        codec: &Codec,
+        headers: &Headers,
+        type_name: &str,
+        payload: &[u8],
+    ) -> Result<T, flotilla_transport::wire::CodecError> {
+        codec.decode_message(headers, type_name, payload)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn any_error_converts_to_a_failed_attempt_with_its_causes() {
+        let e: TaskError = Outer(std::io::Error::other("inner")).into();
+        assert_eq!(e, TaskError::Failed("outer: inner".into()));
+        assert_eq!(TaskError::fatal("x").to_string(), "fatal: x");
+    }
+}

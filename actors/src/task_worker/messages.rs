@@ -1,0 +1,54 @@
+use crate::state::ShutdownScope;
+use actix::prelude::*;
+use flotilla_transport::broker::Delivery;
+
+/// Claimed messages for the worker (from the container).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Deliver(pub Vec<Delivery>);
+
+/// Stop the worker gracefully: hand back what has not started, finish what has (up to
+/// the drain timeout), commit, run the `shutdown` hook, report [`Outcome::Stopped`].
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct StopWorker;
+
+/// How a worker ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every input saw a current drain marker; drained and committed.
+    Drained,
+    /// Every input ended; committed.
+    EndOfStream,
+    /// Stopped on request.
+    Stopped,
+    /// The task failed.
+    Failed(String),
+}
+
+/// What a worker tells its container.
+#[derive(Debug, Clone, PartialEq, Eq, Message)]
+#[rtype(result = "()")]
+pub enum WorkerReport {
+    /// `count` delivered messages are finished (acked or committed): claim more.
+    Completed {
+        /// The worker's slot in the container.
+        slot: usize,
+        /// How many.
+        count: usize,
+    },
+    /// The task asked to shut down.
+    ShutdownRequested {
+        /// The worker's slot.
+        slot: usize,
+        /// This task or the whole container.
+        scope: ShutdownScope,
+    },
+    /// The worker ended.
+    Finished {
+        /// The worker's slot.
+        slot: usize,
+        /// How.
+        outcome: Outcome,
+    },
+}

@@ -1,0 +1,772 @@
+//! `TaskWorker`: owns one user task and its [`TaskState`], and wires the state machine
+//! to time (ticks from the [`TimerService`]) and to the broker (acks, naks, in-progress
+//! acks, commits, dead letters through the [`Reaper`]).
+//!
+//! One worker serves one ordered partition, or one queue input on this node.
+//!
+//! * **Effect before ack.** A message's outputs are published pipelined while the task
+//!   goes on; the message is acknowledged (queue) or becomes committable (ordered) only
+//!   once every output has its publish ack.
+//! * **Ordered inputs** commit with an ack-all of the contiguous completed prefix, when
+//!   half the window is uncommitted, when the task is idle, and every commit interval.
+//!   A failing message is retried in place with backoff (the partition waits, order is
+//!   kept), then dead-lettered and skipped.
+//! * **Queue inputs** ack each message; a failing message is nak'd with the backoff
+//!   delay, and dead-lettered then terminated on its last attempt (the attempt number
+//!   is the broker's delivery count, so it survives nodes). Long handlers get an
+//!   in-progress ack every third of ack-wait.
+//! * Undecodable messages (bad bytes, wrong type header, unknown kind, too large) go to
+//!   the dead-letter stream on their first delivery; a panicking handler is a failed
+//!   attempt.
+//!
+//! Supervision: the [`Container`](crate::container::Container) starts workers and decides,
+//! by the task's [`FailurePolicy`](crate::config::FailurePolicy), what a failed worker
+//! means: the worker itself hands back everything it holds (nak without delay) and stops.
+
+mod messages;
+
+pub use messages::{Deliver, Outcome, StopWorker, WorkerReport};
+
+use crate::config::TaskConfig;
+use crate::events::{Event, emit};
+use crate::reaper::{DeadLetter, Reaper};
+use crate::state::{EnvelopeKind, Op, TaskState};
+use crate::stream::StreamKind;
+use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
+use crate::timer_service::{After, Every, Tick, TimerService};
+use actix::prelude::*;
+use flotilla_transport::broker::{AckKind, AckToken, Delivery};
+use flotilla_transport::wire::{MessageId, MessageKind, headers};
+use futures::FutureExt;
+use futures::future::LocalBoxFuture;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::rc::Rc;
+use std::time::Duration;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+/// Where a worker's messages come from.
+#[derive(Debug, Clone)]
+pub struct Binding {
+    /// The input stream's name.
+    pub stream: &'static str,
+    /// Ordered or queue.
+    pub kind: StreamKind,
+    /// The type name expected in `Flotilla-Type`.
+    pub type_name: &'static str,
+    /// The partition (ordered inputs).
+    pub partition: Option<u32>,
+    /// The worker's slot in its container.
+    pub slot: usize,
+    /// The partition's fencing epoch (0 without leases).
+    pub epoch: u64,
+}
+
+impl Binding {
+    fn ordered(&self) -> bool {
+        matches!(self.kind, StreamKind::Ordered { .. })
+    }
+}
+
+/// A message the worker holds from claim to acknowledgement.
+struct Envelope {
+    delivery: Delivery,
+    /// This attempt's number.
+    attempt: u32,
+    /// Whether it counts as in flight in the state machine now.
+    counted: bool,
+    started: Option<Instant>,
+    /// A dead letter that could not be published yet: (reason, detail).
+    dead_letter: Option<(&'static str, String)>,
+}
+
+/// A claimed message's acknowledgement handle, kept until it is committed.
+struct Claimed {
+    token: AckToken,
+    seq: u64,
+    at: Instant,
+}
+
+/// Which hook a non-process operation runs.
+enum Hook {
+    Init,
+    Window,
+    Commit,
+    Timers(Vec<String>),
+    Drain,
+    EndOfStream,
+    Shutdown,
+}
+
+/// The worker actor for task type `T`.
+pub struct TaskWorker<T: Task> {
+    /// Boxed so the actor is `Unpin` whatever the task is; `None` while checked out.
+    task: Option<Box<T>>,
+    state: TaskState<Delivery>,
+    env: Rc<TaskEnv>,
+    binding: Binding,
+    config: TaskConfig,
+    container: Recipient<WorkerReport>,
+    timers: Addr<TimerService>,
+    reaper: Addr<Reaper>,
+    /// Started messages until acknowledged (queue) or effects stored (ordered).
+    inflight: HashMap<u64, Envelope>,
+    /// Claimed messages by order, until committed (ordered) or acked (queue markers).
+    claimed: BTreeMap<u64, Claimed>,
+    /// Stream sequences held (ordered): redeliveries of these are dropped.
+    known: HashSet<u64>,
+    committed_seq: u64,
+    retries: VecDeque<u64>,
+    due_timers: Vec<String>,
+    stopping: bool,
+    finished: bool,
+    self_recipient: Option<Recipient<Tick>>,
+}
+
+impl<T: Task> std::fmt::Debug for TaskWorker<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TaskWorker").field("binding", &self.binding).finish_non_exhaustive()
+    }
+}
+
+impl<T: Task> TaskWorker<T> {
+    /// A worker for `task`.
+    pub fn new(
+        task: T,
+        env: Rc<TaskEnv>,
+        binding: Binding,
+        config: TaskConfig,
+        container: Recipient<WorkerReport>,
+        timers: Addr<TimerService>,
+        reaper: Addr<Reaper>,
+    ) -> Self {
+        let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
+        Self {
+            task: Some(Box::new(task)),
+            state,
+            env,
+            binding,
+            config,
+            container,
+            timers,
+            reaper,
+            inflight: HashMap::new(),
+            claimed: BTreeMap::new(),
+            known: HashSet::new(),
+            committed_seq: 0,
+            retries: VecDeque::new(),
+            due_timers: Vec::new(),
+            stopping: false,
+            finished: false,
+            self_recipient: None,
+        }
+    }
+
+    fn report(&self, report: WorkerReport) {
+        self.container.do_send(report);
+    }
+
+    fn ack(&self, token: &AckToken, kind: AckKind) {
+        let fut = self.env.broker.ack(token, kind);
+        let stream = self.binding.stream;
+        actix::spawn(async move {
+            if let Err(e) = fut.await {
+                warn!(error = %e, stream, ?kind, "acknowledgement not sent; the broker redelivers after ack-wait");
+            }
+        });
+    }
+
+    fn context(&self, meta: Option<MessageMeta>) -> TaskContext {
+        TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta)
+    }
+
+    /// Runs the next operations the state machine allows while the task is home.
+    fn drive(&mut self, ctx: &mut Context<Self>) {
+        while !self.finished && self.task.is_some() && self.state.failure().is_none() {
+            if let Some(order) = self.retries.pop_front() {
+                self.start_attempt(order, ctx);
+                continue;
+            }
+            if self.stopping {
+                self.try_finish_stop(ctx);
+                return;
+            }
+            match self.state.next_op(Instant::now()) {
+                Op::Process(p) => {
+                    let envelope =
+                        Envelope { delivery: p.msg, attempt: 0, counted: true, started: None, dead_letter: None };
+                    let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
+                    self.inflight.insert(p.order, Envelope { attempt, ..envelope });
+                    self.start_attempt(p.order, ctx);
+                }
+                Op::Commit => self.run_hook(Hook::Commit, ctx),
+                Op::Window => self.run_hook(Hook::Window, ctx),
+                Op::Timer => {
+                    let due = std::mem::take(&mut self.due_timers);
+                    self.run_hook(Hook::Timers(due), ctx);
+                }
+                Op::Drain => self.run_hook(Hook::Drain, ctx),
+                Op::EndOfStream => self.run_hook(Hook::EndOfStream, ctx),
+                Op::NoOp => return,
+            }
+        }
+    }
+
+    /// Starts (or retries) processing of the message at `order`.
+    fn start_attempt(&mut self, order: u64, ctx: &mut Context<Self>) {
+        let Some(envelope) = self.inflight.get_mut(&order) else { return };
+        if let Some((reason, detail)) = envelope.dead_letter.take() {
+            self.dead_letter(order, reason, detail, ctx);
+            return;
+        }
+        envelope.started = Some(Instant::now());
+        let d = &envelope.delivery;
+        let decoded = match d.headers.kind() {
+            Some(MessageKind::Data) => {
+                TaskContext::decode::<T::Input>(&self.env.codec, &d.headers, self.binding.type_name, &d.payload)
+                    .map_err(|e| (e.reason(), e.to_string()))
+            }
+            other => Err((
+                "malformed",
+                format!(
+                    "unexpected Flotilla-Kind {:?} on a data message",
+                    other.map(MessageKind::as_str).or(d.headers.get(headers::KIND))
+                ),
+            )),
+        };
+        let input = match decoded {
+            Ok(input) => input,
+            Err((reason, detail)) => {
+                self.dead_letter(order, reason, detail, ctx);
+                return;
+            }
+        };
+        let meta = MessageMeta {
+            id: MessageId::from_wire(
+                d.headers.msg_id().map_or_else(|| format!("{}-{}", d.info.stream, d.info.stream_seq), str::to_owned),
+            ),
+            key: d.headers.get(headers::KEY).map(str::to_owned),
+            stream: self.binding.stream,
+            partition: self.binding.partition,
+            stream_seq: d.info.stream_seq,
+            delivered: d.info.delivered,
+            attempt: envelope.attempt,
+            published: d.info.published,
+            headers: d.headers.clone(),
+        };
+        let Some(mut task) = self.task.take() else { return };
+        let mut tctx = self.context(Some(meta));
+        let fut = async move {
+            let result = AssertUnwindSafe(task.process(input, &mut tctx)).catch_unwind().await;
+            (task, tctx, result)
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
+            act.task = Some(task);
+            act.apply_requests(&mut tctx);
+            match result {
+                Ok(Ok(())) => {
+                    let deferred = tctx.deferred.take();
+                    let outputs = tctx.outputs_handle().clone();
+                    act.after_process(order, deferred, outputs, ctx);
+                }
+                Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
+                Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
+                Err(panic) => act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    fn after_process(
+        &mut self,
+        order: u64,
+        deferred: Option<LocalBoxFuture<'static, Result<(), TaskError>>>,
+        outputs: Outputs,
+        ctx: &mut Context<Self>,
+    ) {
+        match deferred {
+            None => {
+                self.process_done(order);
+                self.await_effects(order, outputs, ctx);
+            }
+            Some(fut) => {
+                let fut = AssertUnwindSafe(fut).catch_unwind();
+                ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+                    match result {
+                        Ok(Ok(())) => {
+                            act.process_done(order);
+                            act.await_effects(order, outputs, ctx);
+                        }
+                        Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
+                        Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
+                        Err(panic) => {
+                            act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx)
+                        }
+                    }
+                    act.drive(ctx);
+                }));
+            }
+        }
+    }
+
+    fn process_done(&mut self, order: u64) {
+        if let Some(e) = self.inflight.get_mut(&order)
+            && e.counted
+        {
+            e.counted = false;
+            self.state.process_done(order);
+        }
+    }
+
+    /// Waits for the message's outputs to be stored, then finishes it.
+    fn await_effects(&mut self, order: u64, outputs: Outputs, ctx: &mut Context<Self>) {
+        let pending = outputs.take_pending();
+        if pending.is_empty() {
+            self.effects_stored(order);
+            return;
+        }
+        ctx.spawn(futures::future::join_all(pending).into_actor(self).map(move |results, act, ctx| {
+            match results.into_iter().find_map(Result::err) {
+                None => act.effects_stored(order),
+                Some(err) => {
+                    // Not stored: run the message again (its outputs keep their ids, so
+                    // what was stored is deduplicated).
+                    if let Some(e) = act.inflight.get_mut(&order)
+                        && !e.counted
+                    {
+                        e.counted = true;
+                        act.state.restart(order, Instant::now());
+                    }
+                    act.failed_attempt(order, format!("output not stored: {err}"), ctx);
+                }
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// The message is processed and its outputs are stored.
+    fn effects_stored(&mut self, order: u64) {
+        let Some(envelope) = self.inflight.remove(&order) else { return };
+        if self.binding.ordered() {
+            self.state.effects_done(order);
+            self.maybe_request_commit();
+        } else {
+            self.claimed.remove(&order);
+            self.ack(&envelope.delivery.token, AckKind::Ack);
+            self.state.effects_done(order);
+            self.report(WorkerReport::Completed { slot: self.binding.slot, count: 1 });
+        }
+    }
+
+    fn maybe_request_commit(&mut self) {
+        if !self.state.uncommitted() || self.state.commit_pending() {
+            return;
+        }
+        let uncommitted = self.claimed.len();
+        let idle = self.state.pending_len() == 0 && self.state.in_flight() == 0;
+        if idle || uncommitted >= (self.config.window as usize / 2).max(1) {
+            self.state.request_commit();
+        }
+    }
+
+    /// One attempt failed: retry, or dead-letter on the last attempt.
+    fn failed_attempt(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
+        let Some(envelope) = self.inflight.get_mut(&order) else { return };
+        let attempt = envelope.attempt;
+        let max = self.config.retry.max_attempts;
+        if self.config.retry.exhausted(attempt) {
+            warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, attempt, %reason, "last attempt failed; dead-lettering");
+            self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);
+            return;
+        }
+        let delay = self.config.retry.backoff(attempt);
+        debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, attempt, ?delay, %reason, "attempt failed; retrying");
+        if self.binding.ordered() {
+            envelope.attempt += 1;
+            self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
+        } else {
+            let token = envelope.delivery.token.clone();
+            self.ack(&token, AckKind::Nak(Some(delay)));
+            self.forget(order);
+        }
+    }
+
+    /// Done with a queue message without acking it here (nak'd or terminated).
+    fn forget(&mut self, order: u64) {
+        if let Some(e) = self.inflight.remove(&order)
+            && e.counted
+        {
+            self.state.process_done(order);
+        }
+        self.claimed.remove(&order);
+        self.state.effects_done(order);
+        self.report(WorkerReport::Completed { slot: self.binding.slot, count: 1 });
+    }
+
+    /// Moves the message to the dead-letter stream, then skips (ordered) or terminates (queue) it.
+    fn dead_letter(&mut self, order: u64, reason: &'static str, detail: String, ctx: &mut Context<Self>) {
+        let Some(envelope) = self.inflight.get(&order) else { return };
+        let letter = DeadLetter {
+            delivery: envelope.delivery.clone(),
+            stream: self.binding.stream.to_owned(),
+            partition: self.binding.partition,
+            reason,
+            detail: detail.clone(),
+        };
+        ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
+            match result {
+                Ok(Ok(())) => {
+                    if act.binding.ordered() {
+                        act.process_done(order);
+                        act.effects_stored(order);
+                    } else if let Some(e) = act.inflight.get(&order) {
+                        let token = e.delivery.token.clone();
+                        act.ack(&token, AckKind::Term);
+                        act.forget(order);
+                    }
+                }
+                Ok(Err(e)) => {
+                    warn!(error = %e, "dead letter not stored; trying again in 1 s");
+                    if let Some(env) = act.inflight.get_mut(&order) {
+                        env.dead_letter = Some((reason, detail));
+                    }
+                    act.timers.do_send(After {
+                        delay: Duration::from_secs(1),
+                        target: ctx.address().recipient(),
+                        tick: Tick::Retry(order),
+                    });
+                }
+                Err(mailbox) => act.fail(format!("reaper unavailable: {mailbox}"), ctx),
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    fn apply_requests(&mut self, tctx: &mut TaskContext) {
+        if tctx.requests.commit {
+            self.state.request_commit();
+        }
+        if let Some(scope) = tctx.requests.shutdown {
+            self.report(WorkerReport::ShutdownRequested { slot: self.binding.slot, scope });
+        }
+        for (name, after) in tctx.timers.drain(..) {
+            if let Some(me) = &self.self_recipient {
+                self.timers.do_send(After { delay: after, target: me.clone(), tick: Tick::UserTimer(name) });
+            }
+        }
+    }
+
+    /// Runs a hook with the task checked out; its outputs are stored before the
+    /// operation counts as done.
+    fn run_hook(&mut self, hook: Hook, ctx: &mut Context<Self>) {
+        let Some(mut task) = self.task.take() else { return };
+        let mut tctx = self.context(None);
+        let label = match &hook {
+            Hook::Init => "init",
+            Hook::Window => "window",
+            Hook::Commit => "commit",
+            Hook::Timers(_) => "timer",
+            Hook::Drain => "drain",
+            Hook::EndOfStream => "end_of_stream",
+            Hook::Shutdown => "shutdown",
+        };
+        let fut = async move {
+            let result = AssertUnwindSafe(async {
+                match hook {
+                    Hook::Init => task.init(&mut tctx).await,
+                    Hook::Window => task.window(&mut tctx).await,
+                    Hook::Commit => task.commit(&mut tctx).await,
+                    Hook::Timers(names) => {
+                        for name in names {
+                            task.timer(name, &mut tctx).await?;
+                        }
+                        Ok(())
+                    }
+                    Hook::Drain => task.drain(&mut tctx).await,
+                    Hook::EndOfStream => task.end_of_stream(&mut tctx).await,
+                    Hook::Shutdown => task.shutdown(&mut tctx).await,
+                }
+            })
+            .catch_unwind()
+            .await;
+            let pending = tctx.outputs_handle().take_pending();
+            let stored = futures::future::join_all(pending).await.into_iter().find_map(Result::err);
+            (task, tctx, result, stored)
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result, stored), act, ctx| {
+            act.task = Some(task);
+            act.apply_requests(&mut tctx);
+            let result = match (result, stored) {
+                (Ok(Ok(())), None) => Ok(()),
+                (Ok(Ok(())), Some(e)) => Err(format!("{label}: output not stored: {e}")),
+                (Ok(Err(e)), _) => Err(format!("{label}: {e}")),
+                (Err(panic), _) => Err(format!("{label} panicked: {}", panic_text(&panic))),
+            };
+            if let Err(reason) = result {
+                act.fail(reason, ctx);
+                return;
+            }
+            match label {
+                "window" => act.state.window_done(),
+                "timer" => act.state.timer_done(),
+                "commit" => act.commit_positions(),
+                "drain" => {
+                    act.commit_positions();
+                    act.finish(Outcome::Drained, ctx);
+                    return;
+                }
+                "end_of_stream" => {
+                    act.commit_positions();
+                    act.finish(Outcome::EndOfStream, ctx);
+                    return;
+                }
+                "shutdown" => {
+                    act.finish(Outcome::Stopped, ctx);
+                    return;
+                }
+                _ => {}
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// Acknowledges everything up to the committable positions.
+    fn commit_positions(&mut self) {
+        let positions = self.state.committable().clone();
+        let mut count = 0;
+        if let Some(&pos) = positions.get(&0) {
+            let rest = self.claimed.split_off(&(pos + 1));
+            let done = std::mem::replace(&mut self.claimed, rest);
+            if self.binding.ordered() {
+                if let Some((_, last)) = done.iter().next_back() {
+                    self.ack(&last.token, AckKind::Ack);
+                    self.committed_seq = self.committed_seq.max(last.seq);
+                }
+            } else {
+                // Queue data messages were acked one by one; what is left are markers.
+                for c in done.values() {
+                    self.ack(&c.token, AckKind::Ack);
+                }
+            }
+            for c in done.values() {
+                self.known.remove(&c.seq);
+            }
+            count = done.len();
+        }
+        self.state.commit_done(positions);
+        if count > 0 {
+            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
+        }
+    }
+
+    /// The task failed: hand everything back and report.
+    fn fail(&mut self, reason: String, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "task failed");
+        self.state.fail(reason.clone());
+        emit(
+            &self.env.broker,
+            &self.env.subjects,
+            Event::TaskFailed {
+                stream: self.binding.stream.to_owned(),
+                partition: self.binding.partition,
+                reason: reason.clone(),
+            },
+        );
+        self.release_all();
+        self.finish(Outcome::Failed(reason), ctx);
+    }
+
+    /// Naks every message held and not finished, without delay.
+    fn release_all(&mut self) {
+        for p in self.state.take_unstarted() {
+            self.ack(&p.msg.token, AckKind::Nak(None));
+        }
+        let inflight: Vec<Envelope> = self.inflight.drain().map(|(_, e)| e).collect();
+        for e in inflight {
+            self.ack(&e.delivery.token, AckKind::Nak(None));
+        }
+        self.claimed.clear();
+        self.known.clear();
+    }
+
+    fn finish(&mut self, outcome: Outcome, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        self.state.mark_complete();
+        let flush = self.env.broker.flush();
+        let report = WorkerReport::Finished { slot: self.binding.slot, outcome };
+        let container = self.container.clone();
+        ctx.spawn(
+            async move {
+                let _ = flush.await;
+                container.do_send(report);
+            }
+            .into_actor(self)
+            .map(|(), _, ctx| ctx.stop()),
+        );
+    }
+
+    /// While stopping: once nothing is in flight, commit, run `shutdown`, finish.
+    fn try_finish_stop(&mut self, ctx: &mut Context<Self>) {
+        if self.finished || self.task.is_none() || !self.inflight.is_empty() {
+            return;
+        }
+        if self.state.uncommitted() {
+            self.commit_positions();
+        }
+        self.run_hook(Hook::Shutdown, ctx);
+    }
+
+    fn heartbeat(&mut self) {
+        let now = Instant::now();
+        let third = self.config.ack_wait / 3;
+        if self.binding.ordered() {
+            // Claimed but uncommitted messages near ack-wait: keep them ours.
+            for c in self.claimed.values_mut() {
+                if now.saturating_duration_since(c.at) >= third {
+                    c.at = now;
+                    let fut = self.env.broker.ack(&c.token, AckKind::InProgress);
+                    actix::spawn(async move {
+                        let _ = fut.await;
+                    });
+                }
+            }
+        } else {
+            for e in self.inflight.values() {
+                if e.started.is_some_and(|s| now.saturating_duration_since(s) >= third) {
+                    self.ack(&e.delivery.token, AckKind::InProgress);
+                }
+            }
+        }
+    }
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-text panic payload".to_owned())
+}
+
+impl<T: Task> Actor for TaskWorker<T> {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let me = ctx.address().recipient::<Tick>();
+        self.self_recipient = Some(me.clone());
+        self.timers.do_send(Every { period: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
+        if let Some(every) = self.config.window_interval {
+            self.timers.do_send(Every { period: every, target: me.clone(), tick: Tick::Window });
+        }
+        let beat = (self.config.ack_wait / 3).max(Duration::from_millis(50));
+        self.timers.do_send(Every { period: beat, target: me.clone(), tick: Tick::Heartbeat });
+        if let Some(timeout) = self.config.callback_timeout {
+            let every = (timeout / 4).max(Duration::from_millis(10));
+            self.timers.do_send(Every { period: every, target: me, tick: Tick::CheckTimeouts });
+        }
+        self.run_hook(Hook::Init, ctx);
+    }
+}
+
+impl<T: Task> Handler<Deliver> for TaskWorker<T> {
+    type Result = ();
+
+    fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        let mut dropped = 0;
+        for d in msg.0 {
+            if self.stopping || self.finished {
+                self.ack(&d.token, AckKind::Nak(None));
+                dropped += 1;
+                continue;
+            }
+            if self.binding.ordered()
+                && (d.info.stream_seq <= self.committed_seq || !self.known.insert(d.info.stream_seq))
+            {
+                // A redelivery of something this worker holds or committed.
+                dropped += 1;
+                continue;
+            }
+            let kind = match d.headers.kind() {
+                Some(MessageKind::Drain) => {
+                    EnvelopeKind::Drain { run_id: d.headers.get(headers::RUN).unwrap_or_default().to_owned() }
+                }
+                Some(MessageKind::EndOfStream) => EnvelopeKind::EndOfStream,
+                _ => EnvelopeKind::Data,
+            };
+            let claimed = Claimed { token: d.token.clone(), seq: d.info.stream_seq, at: now };
+            let order = self.state.insert(0, kind, d);
+            self.claimed.insert(order, claimed);
+        }
+        if dropped > 0 {
+            self.report(WorkerReport::Completed { slot: self.binding.slot, count: dropped });
+        }
+        self.drive(ctx);
+    }
+}
+
+impl<T: Task> Handler<StopWorker> for TaskWorker<T> {
+    type Result = ();
+
+    fn handle(&mut self, _: StopWorker, ctx: &mut Context<Self>) {
+        if self.stopping || self.finished {
+            return;
+        }
+        self.stopping = true;
+        // Interrupted is not failed: hand back at once what has not started.
+        for p in self.state.take_unstarted() {
+            self.claimed.remove(&p.order);
+            self.known.remove(&p.msg.info.stream_seq);
+            self.ack(&p.msg.token, AckKind::Nak(None));
+        }
+        let deadline = self.config.drain_timeout;
+        ctx.run_later(deadline, |act, ctx| {
+            if !act.finished {
+                warn!(stream = act.binding.stream, partition = ?act.binding.partition, in_flight = act.inflight.len(), "drain timeout: handing back in-flight messages");
+                act.release_all();
+                act.finish(Outcome::Stopped, ctx);
+            }
+        });
+        self.drive(ctx);
+    }
+}
+
+impl<T: Task> Handler<Tick> for TaskWorker<T> {
+    type Result = ();
+
+    fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
+        match tick {
+            Tick::Commit => {
+                if self.state.uncommitted() {
+                    self.state.request_commit();
+                }
+            }
+            Tick::Window => self.state.request_window(),
+            Tick::Heartbeat => self.heartbeat(),
+            Tick::CheckTimeouts => {
+                if let Some(timeout) = self.config.callback_timeout {
+                    let late = self.state.timed_out(Instant::now(), timeout);
+                    if let Some(order) = late.first() {
+                        let seq = self.inflight.get(order).map(|e| e.delivery.info.stream_seq);
+                        self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);
+                        return;
+                    }
+                }
+            }
+            Tick::UserTimer(name) => {
+                self.due_timers.push(name);
+                self.state.request_timer();
+            }
+            Tick::Retry(order) => self.retries.push_back(order),
+            Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) => {}
+        }
+        self.drive(ctx);
+    }
+}

@@ -1,0 +1,128 @@
+//! `TimerService`: the node's only source of time for the run loop.
+//!
+//! Window and commit intervals, heartbeats, callback-timeout checks, retry backoffs,
+//! user timers, backlog checks and sweeps all arrive as [`Tick`]s from here. It keeps
+//! time with actix/tokio timers, so a test that pauses tokio's clock
+//! (`tokio::time::pause()`) runs a ten-minute schedule in milliseconds.
+//!
+//! Supervision: started by the job runner next to the container, on the same arbiter;
+//! it holds no state worth restarting for. A periodic timer ends by itself when its
+//! target has stopped.
+
+mod messages;
+
+pub use messages::{After, Cancel, Every, Tick, TimerId};
+
+use actix::prelude::*;
+use std::collections::HashMap;
+
+/// The timer actor.
+#[derive(Debug, Default)]
+pub struct TimerService {
+    next: u64,
+    handles: HashMap<u64, SpawnHandle>,
+}
+
+impl Actor for TimerService {
+    type Context = Context<Self>;
+}
+
+impl TimerService {
+    fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+}
+
+impl Handler<Every> for TimerService {
+    type Result = MessageResult<Every>;
+
+    fn handle(&mut self, msg: Every, ctx: &mut Context<Self>) -> Self::Result {
+        let id = self.id();
+        let Every { period, target, tick } = msg;
+        let handle = ctx.run_interval(period, move |act, ctx| {
+            if target.try_send(tick.clone()).is_err()
+                && !target.connected()
+                && let Some(h) = act.handles.remove(&id)
+            {
+                ctx.cancel_future(h);
+            }
+        });
+        self.handles.insert(id, handle);
+        MessageResult(TimerId(id))
+    }
+}
+
+impl Handler<After> for TimerService {
+    type Result = MessageResult<After>;
+
+    fn handle(&mut self, msg: After, ctx: &mut Context<Self>) -> Self::Result {
+        let id = self.id();
+        let After { delay, target, tick } = msg;
+        let handle = ctx.run_later(delay, move |act, _| {
+            act.handles.remove(&id);
+            let _ = target.try_send(tick);
+        });
+        self.handles.insert(id, handle);
+        MessageResult(TimerId(id))
+    }
+}
+
+impl Handler<Cancel> for TimerService {
+    type Result = ();
+
+    fn handle(&mut self, msg: Cancel, ctx: &mut Context<Self>) {
+        if let Some(h) = self.handles.remove(&msg.0.0) {
+            ctx.cancel_future(h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    struct Recorder(Arc<Mutex<Vec<(tokio::time::Instant, Tick)>>>);
+    impl Actor for Recorder {
+        type Context = Context<Self>;
+    }
+    impl Handler<Tick> for Recorder {
+        type Result = ();
+        fn handle(&mut self, tick: Tick, _: &mut Context<Self>) {
+            self.0.lock().expect("lock").push((tokio::time::Instant::now(), tick));
+        }
+    }
+
+    #[actix_rt::test]
+    async fn a_ten_minute_window_schedule_runs_on_paused_time() {
+        tokio::time::pause();
+        let start = tokio::time::Instant::now();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let rec = Recorder(seen.clone()).start();
+        let timers = TimerService::default().start();
+        timers
+            .send(Every { period: Duration::from_secs(600), target: rec.clone().recipient(), tick: Tick::Window })
+            .await
+            .expect("every");
+        let once = timers
+            .send(After { delay: Duration::from_secs(90), target: rec.clone().recipient(), tick: Tick::Retry(7) })
+            .await
+            .expect("after");
+        let cancelled = timers
+            .send(After { delay: Duration::from_secs(30), target: rec.recipient(), tick: Tick::Commit })
+            .await
+            .expect("after");
+        timers.send(Cancel(cancelled)).await.expect("cancel");
+        let _ = once;
+        tokio::time::sleep(Duration::from_secs(3 * 600 + 1)).await;
+        let seen = seen.lock().expect("lock").clone();
+        let ticks: Vec<_> = seen.iter().map(|(at, t)| (at.duration_since(start).as_secs(), t.clone())).collect();
+        assert_eq!(
+            ticks,
+            vec![(90, Tick::Retry(7)), (600, Tick::Window), (1200, Tick::Window), (1800, Tick::Window)],
+            "three 10-minute windows and one retry, no cancelled commit"
+        );
+    }
+}

@@ -1,0 +1,363 @@
+//! The run loop end to end on the embedded broker, on tokio's paused clock: ordered and
+//! queue inputs, effect before ack, retries, dead letters, heartbeats, windows, and
+//! jobs refused at start.
+
+use bytes::Bytes;
+use flotilla_actors::{FailurePolicy, Job, JobError, StreamDef, Task, TaskContext, TaskError};
+use flotilla_transport::EmbeddedBroker;
+use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::{Codec, headers, partition_for};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Record {
+    id: u64,
+    body: String,
+}
+
+const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
+const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
+const JOBS: StreamDef<Record> = StreamDef::queue("jobs");
+const DONE: StreamDef<Record> = StreamDef::queue("done");
+
+thread_local! {
+    /// How often `process` ran per record id (each test runs on its own thread).
+    static CALLS: RefCell<HashMap<u64, u32>> = RefCell::new(HashMap::new());
+}
+
+fn calls(id: u64) -> u32 {
+    CALLS.with(|c| c.borrow().get(&id).copied().unwrap_or(0))
+}
+
+/// Forwards records; `poison…` fails every attempt, `flaky:<n>` fails the first n
+/// attempts, `panic` panics, `sleep:<ms>` waits, `fatal` fails the task.
+struct Relay<const QUEUE: bool>;
+
+impl<const QUEUE: bool> Task for Relay<QUEUE> {
+    type Input = Record;
+
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let attempt = ctx.message().map_or(1, |m| m.attempt);
+        CALLS.with(|c| *c.borrow_mut().entry(r.id).or_default() += 1);
+        if r.body.starts_with("poison") {
+            return Err(TaskError::failed(format!("poison record {}", r.id)));
+        }
+        if let Some(n) = r.body.strip_prefix("flaky:") {
+            let n: u32 = n.parse().map_err(|_| TaskError::failed("bad flaky count"))?;
+            if attempt <= n {
+                return Err(TaskError::failed(format!("flaky attempt {attempt}")));
+            }
+        }
+        if r.body == "panic" {
+            panic!("handler panic on record {}", r.id);
+        }
+        if r.body == "fatal" {
+            return Err(TaskError::fatal("cannot continue"));
+        }
+        if let Some(ms) = r.body.strip_prefix("sleep:") {
+            let ms: u64 = ms.parse().map_err(|_| TaskError::failed("bad sleep"))?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        let key = r.id.to_string();
+        if QUEUE { ctx.send(&DONE, &key, &r).await } else { ctx.send(&OUT, &key, &r).await }
+    }
+}
+
+fn codec() -> Codec {
+    Codec::default()
+}
+
+async fn publish(b: &SharedBroker, stream: &str, ordered: bool, id: u64, body: &str) {
+    let key = id.to_string();
+    let subject = if ordered {
+        format!("flotilla.t.{stream}.{}", partition_for(&key, 4))
+    } else {
+        format!("flotilla.t.{stream}")
+    };
+    let payload = codec().encode(&Record { id, body: body.into() }).expect("encode");
+    let msg = OutboundMessage::new(subject, payload).with_id(format!("{stream}-{id}")).with_header(headers::KEY, key);
+    b.publish(msg).await.expect("publish");
+}
+
+/// Reads every message of a stream through a fresh consumer.
+async fn read_all(
+    b: &SharedBroker,
+    js_stream: &str,
+    filter: Option<String>,
+) -> Vec<(String, Record, flotilla_transport::wire::Headers)> {
+    let name = format!("reader-{}", rand_suffix());
+    let spec = ConsumerSpec {
+        filter_subject: filter,
+        ack_policy: AckPolicy::Explicit,
+        max_ack_pending: None,
+        ..ConsumerSpec::new(name.clone())
+    };
+    b.ensure_consumer(js_stream, spec).await.expect("reader");
+    let mut out = Vec::new();
+    loop {
+        let got = b.claim(js_stream, &name, 1000, Duration::from_millis(50)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            let rec =
+                codec().decode::<Record>(&d.payload).unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
+            out.push((d.subject.clone(), rec, d.headers.clone()));
+        }
+    }
+    b.delete_consumer(js_stream, &name).await.expect("delete reader");
+    out
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+async fn wait_for(b: &SharedBroker, js_stream: &str, n: u64) {
+    for _ in 0..2000 {
+        if b.stream_state(js_stream).await.map(|s| s.messages).unwrap_or(0) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let have = b.stream_state(js_stream).await.map(|s| s.messages).unwrap_or(0);
+    panic!("{js_stream} has {have} messages, expected {n}");
+}
+
+#[actix_rt::test]
+async fn ordered_input_end_to_end_with_order_poison_and_undecodable() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t").task(IN, |_| Relay::<false>).max_attempts(3).start(b.clone()).await.expect("start");
+    for id in 0..200 {
+        let body = if id == 17 { "poison" } else { "ok" };
+        publish(&b, "in", true, id, body).await;
+    }
+    // Undecodable bytes in partition of key "500": dead-lettered on first delivery.
+    let p = partition_for("500", 4);
+    b.publish(
+        OutboundMessage::new(format!("flotilla.t.in.{p}"), Bytes::from_static(&[0xff, 0x01]))
+            .with_id("garbage")
+            .with_header(headers::KEY, "500"),
+    )
+    .await
+    .expect("publish garbage");
+    for id in 200..210 {
+        publish(&b, "in", true, id, "after garbage").await;
+    }
+    wait_for(&b, "FLOTILLA_t_out", 209).await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 2).await;
+
+    let out = read_all(&b, "FLOTILLA_t_out", None).await;
+    assert_eq!(out.len(), 209, "every record but the poison one");
+    let mut last: BTreeMap<String, u64> = BTreeMap::new();
+    for (subject, rec, h) in &out {
+        assert_eq!(subject, &format!("flotilla.t.out.{}", partition_for(&rec.id.to_string(), 4)));
+        if let Some(prev) = last.insert(subject.clone(), rec.id) {
+            assert!(prev < rec.id, "partition {subject}: {} after {prev}", rec.id);
+        }
+        assert_eq!(h.get(headers::CAUSE), Some(format!("in-{}", rec.id).as_str()));
+        assert_eq!(h.get(headers::TYPE), Some("Record"));
+        assert_eq!(h.get(headers::EPOCH), Some("0"));
+    }
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    let mut reasons: Vec<(String, String)> =
+        dlq.iter().map(|(s, _, h)| (s.clone(), h.get(headers::DLQ_REASON).unwrap_or("").to_owned())).collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        vec![("flotilla.t._dlq.in".into(), "malformed".into()), ("flotilla.t._dlq.in".into(), "max-attempts".into())]
+    );
+    let poison =
+        dlq.iter().find(|(_, _, h)| h.get(headers::DLQ_REASON) == Some("max-attempts")).expect("poison letter");
+    assert!(poison.2.get(headers::DLQ_DETAIL).is_some_and(|d| d.contains("attempt 3 of 3")), "{:?}", poison.2);
+    assert_eq!(poison.1.id, 17);
+    // Everything is committed: every partition consumer is fully acked.
+    job.stop();
+    job.wait().await.expect("clean stop");
+    for p in 0..4 {
+        let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
+        assert_eq!((c.num_pending, c.num_ack_pending), (0, 0), "partition {p}: {c:?}");
+    }
+}
+
+#[actix_rt::test]
+async fn queue_input_retries_dead_letters_and_survives_panics() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t")
+        .task(JOBS, |_| Relay::<true>)
+        .max_concurrency(4)
+        .max_attempts(3)
+        .ack_wait(Duration::from_secs(2))
+        .start(b.clone())
+        .await
+        .expect("start");
+    publish(&b, "jobs", false, 1, "ok").await;
+    publish(&b, "jobs", false, 2, "flaky:2").await;
+    publish(&b, "jobs", false, 3, "poison").await;
+    publish(&b, "jobs", false, 4, "panic").await;
+    wait_for(&b, "FLOTILLA_t_done", 2).await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 2).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let done = read_all(&b, "FLOTILLA_t_done", None).await;
+    let mut ids: Vec<u64> = done.iter().map(|(_, r, _)| r.id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![1, 2], "flaky succeeded on its third attempt");
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    let mut dead: Vec<(u64, String)> =
+        dlq.iter().map(|(_, r, h)| (r.id, h.get(headers::DLQ_DETAIL).unwrap_or("").to_owned())).collect();
+    dead.sort();
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0].0, 3);
+    assert_eq!(dead[1].0, 4);
+    assert!(dead[1].1.contains("panicked"), "{:?}", dead[1]);
+    let s = b.stream_state("FLOTILLA_t_jobs").await.expect("stream");
+    assert_eq!(s.messages, 0, "every job acked or terminated");
+    assert_eq!((calls(1), calls(2), calls(3), calls(4)), (1, 3, 3, 3), "attempts per record");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
+
+#[actix_rt::test]
+async fn a_long_job_is_kept_alive_by_heartbeats_while_another_node_pulls() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let node = || Job::new("t").task(JOBS, |_| Relay::<true>).ack_wait(Duration::from_secs(2));
+    let a = node().start(b.clone()).await.expect("node a");
+    publish(&b, "jobs", false, 5, "sleep:6000").await; // 3× ack-wait
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A second node pulls the whole time: without heartbeats it would get the job
+    // after 2 s and run it again.
+    let second = node().start(b.clone()).await.expect("node b");
+    wait_for(&b, "FLOTILLA_t_done", 1).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(calls(5), 1, "the 6 s job with a 2 s ack-wait ran once");
+    assert_eq!(b.stream_state("FLOTILLA_t_jobs").await.expect("stream").messages, 0);
+    for job in [a, second] {
+        job.stop();
+        job.wait().await.expect("stop");
+    }
+}
+
+/// Counts windows and messages; sends the count on each window.
+struct Counter {
+    seen: u64,
+    windows: Rc<RefCell<Vec<u64>>>,
+}
+
+impl Task for Counter {
+    type Input = Record;
+    async fn process(&mut self, _: Record, _: &mut TaskContext) -> Result<(), TaskError> {
+        self.seen += 1;
+        Ok(())
+    }
+    async fn window(&mut self, _: &mut TaskContext) -> Result<(), TaskError> {
+        self.windows.borrow_mut().push(self.seen);
+        Ok(())
+    }
+}
+
+#[actix_rt::test]
+async fn a_ten_minute_window_runs_on_paused_time() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let windows: Rc<RefCell<Vec<u64>>> = Rc::default();
+    let w = windows.clone();
+    const ONE: StreamDef<Record> = StreamDef::ordered("one", 1);
+    let started = tokio::time::Instant::now();
+    let job = Job::new("t")
+        .task(ONE, move |_| Counter { seen: 0, windows: w.clone() })
+        .window_every(Duration::from_secs(600))
+        .start(b.clone())
+        .await
+        .expect("start");
+    for id in 0..5 {
+        b.publish(
+            OutboundMessage::new("flotilla.t.one.0", codec().encode(&Record { id, body: String::new() }).expect("e"))
+                .with_id(format!("w{id}")),
+        )
+        .await
+        .expect("publish");
+    }
+    tokio::time::sleep(Duration::from_secs(1801)).await;
+    assert_eq!(*windows.borrow(), vec![5, 5, 5], "three windows in 30 minutes of paused time");
+    assert!(started.elapsed() >= Duration::from_secs(1800));
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn a_fatal_error_fails_the_container_by_default() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t").task(IN, |_| Relay::<false>).start(b.clone()).await.expect("start");
+    publish(&b, "in", true, 1, "fatal").await;
+    let err = tokio::time::timeout(Duration::from_secs(120), job.wait()).await.expect("exits").expect_err("failed");
+    assert!(err.to_string().contains("cannot continue"), "{err}");
+}
+
+#[actix_rt::test]
+async fn restart_task_policy_keeps_the_container_running() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let starts = Rc::new(RefCell::new(HashMap::<Option<u32>, u32>::new()));
+    let s = starts.clone();
+    let job = Job::new("t")
+        .task(IN, move |p| {
+            *s.borrow_mut().entry(p).or_default() += 1;
+            Relay::<false>
+        })
+        .on_failure(FailurePolicy::RestartTask)
+        .start(b.clone())
+        .await
+        .expect("start");
+    publish(&b, "in", true, 1, "fatal").await;
+    publish(&b, "in", true, 2, "ok").await;
+    wait_for(&b, "FLOTILLA_t_out", 1).await;
+    // The fatal record fails its task every time: restarts back off exponentially
+    // (0.2, 0.4, 0.8, … s), so 15 s see a handful of restarts, not a tight loop.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let p = partition_for("1", 4);
+    let restarted = starts.borrow()[&Some(p)];
+    assert!(
+        (3..=12).contains(&restarted),
+        "the failed partition's task started {restarted} times: {:?}",
+        starts.borrow()
+    );
+    let other = partition_for("2", 4);
+    assert_eq!(starts.borrow()[&Some(other)], 1, "other partitions are untouched");
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn misconfigured_jobs_are_refused_naming_the_setting() {
+    let b = EmbeddedBroker::new().shared();
+    const ZERO: StreamDef<Record> = StreamDef::ordered("zero", 0);
+    let e = Job::new("t").task(ZERO, |_| Relay::<false>).start(b.clone()).await.expect_err("zero partitions");
+    assert!(e.to_string().contains("0 partitions"), "{e}");
+    let e = Job::new("t")
+        .task(IN, |_| Relay::<false>)
+        .window_every(Duration::ZERO)
+        .start(b.clone())
+        .await
+        .expect_err("window 0");
+    assert!(matches!(&e, JobError::Config(c) if c.setting == "window_every"), "{e}");
+    let e = Job::new("Bad_Name").task(IN, |_| Relay::<false>).start(b.clone()).await.expect_err("bad name");
+    assert!(e.to_string().contains("[a-z0-9-]"), "{e}");
+    let e =
+        Job::new("t").max_attempts(3).task(IN, |_| Relay::<false>).start(b.clone()).await.expect_err("setting first");
+    assert!(e.to_string().contains("max_attempts was set before any .task"), "{e}");
+    let e = Job::new("t").start(b.clone()).await.expect_err("no tasks");
+    assert!(e.to_string().contains("no tasks"), "{e}");
+    const BAD: StreamDef<Record> = StreamDef::queue("Bad.Stream");
+    let e = Job::new("t").task(BAD, |_| Relay::<true>).start(b).await.expect_err("bad stream");
+    assert!(e.to_string().contains("invalid stream name"), "{e}");
+}
