@@ -69,6 +69,7 @@ struct TaskEntry {
 pub struct Job {
     name: String,
     tasks: Vec<TaskEntry>,
+    outputs: Vec<(&'static str, StreamKind)>,
     run_id: Option<String>,
     codec: Codec,
     container: ContainerConfig,
@@ -87,6 +88,7 @@ impl Job {
         Self {
             name: name.into(),
             tasks: Vec::new(),
+            outputs: Vec::new(),
             run_id: None,
             codec: Codec::default(),
             container: ContainerConfig::default(),
@@ -115,6 +117,13 @@ impl Job {
             config: TaskConfig::default(),
             starter,
         });
+        self
+    }
+
+    /// Declares an output stream, so it is provisioned when the job starts (outputs are
+    /// otherwise created on first send).
+    pub fn output<T>(mut self, stream: StreamDef<T>) -> Self {
+        self.outputs.push((stream.name(), stream.kind()));
         self
     }
 
@@ -247,6 +256,9 @@ impl Job {
             ));
         }
         let mut seen = std::collections::HashSet::new();
+        for (name, _) in &self.outputs {
+            StreamName::new(*name)?;
+        }
         for t in &self.tasks {
             StreamName::new(t.stream)?;
             if !seen.insert(t.stream) {
@@ -263,16 +275,49 @@ impl Job {
         Ok(())
     }
 
-    /// Validates, provisions streams and consumers, and starts the job's actors on the
+    /// Validates the job and creates what it needs on the broker: its dead-letter
+    /// stream, declared outputs, and each input's stream and consumers. Idempotent;
+    /// refuses (changing nothing) when something exists with another configuration.
+    ///
+    /// # Errors
+    /// [`JobError`] for bad names or settings, or when the broker refuses.
+    pub async fn provision(&self, broker: SharedBroker) -> Result<(), JobError> {
+        self.validate()?;
+        let subjects = Subjects::new(JobName::new(self.name.clone())?);
+        broker.ensure_stream(topology::dlq_stream(&subjects)).await?;
+        for (name, kind) in &self.outputs {
+            let name = StreamName::new(*name)?;
+            let spec = match kind {
+                StreamKind::Ordered { .. } => topology::ordered_stream(&subjects, &name, None),
+                StreamKind::Queue => topology::queue_stream(&subjects, &name),
+            };
+            broker.ensure_stream(spec).await?;
+        }
+        for t in &self.tasks {
+            let name = StreamName::new(t.stream)?;
+            let c = &t.config;
+            match t.kind {
+                StreamKind::Ordered { partitions } => {
+                    topology::provision_ordered(&broker, &subjects, &name, partitions, c.ack_wait, c.window).await?;
+                }
+                StreamKind::Queue => {
+                    topology::provision_queue(&broker, &subjects, &name, c.ack_wait, c.retry.max_attempts + 1, 10_000)
+                        .await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Provisions (see [`provision`](Self::provision)) and starts the job's actors on the
     /// current arbiter, consuming every partition (single node).
     ///
     /// # Errors
     /// [`JobError`] for bad names or settings, or when the broker refuses (for example a
     /// stream that exists with another configuration).
     pub async fn start(self, broker: SharedBroker) -> Result<RunningJob, JobError> {
-        self.validate()?;
+        self.provision(broker.clone()).await?;
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
-        broker.ensure_stream(topology::dlq_stream(&subjects)).await?;
         let mut slots = Vec::new();
         let run_id = self.run_id.clone().unwrap_or_else(|| MessageId::new_v7().to_string());
         let env = Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id));
@@ -282,8 +327,11 @@ impl Job {
             let c = &t.config;
             match t.kind {
                 StreamKind::Ordered { partitions } => {
-                    topology::provision_ordered(&broker, &subjects, &name, partitions, c.ack_wait, c.window).await?;
                     for p in 0..partitions {
+                        // This node owns every partition: take over what a dead
+                        // previous owner left unacked, at the committed position.
+                        let spec = topology::partition_consumer(&subjects, &name, p, c.ack_wait, c.window);
+                        topology::take_over_partition(&broker, &js_stream, spec).await?;
                         slots.push(slot(
                             t,
                             &env,
@@ -296,8 +344,6 @@ impl Job {
                     }
                 }
                 StreamKind::Queue => {
-                    topology::provision_queue(&broker, &subjects, &name, c.ack_wait, c.retry.max_attempts + 1, 10_000)
-                        .await?;
                     slots.push(slot(
                         t,
                         &env,

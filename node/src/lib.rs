@@ -1,7 +1,10 @@
-//! A Flotilla node process: choosing and connecting the broker, and (as the cluster
-//! issue lands) configuration, membership, leases, the control plane and the
-//! `flotilla` CLI.
+//! A Flotilla node process: choosing and connecting the broker, running a job with
+//! flags, logging and signals, and (as the cluster issue lands) membership, leases,
+//! the control plane and the `flotilla` CLI.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod connect;
+pub mod runner;
+
+pub use runner::{JobRunner, NodeArgs, NodeError, NodeHandle, run};

@@ -271,3 +271,87 @@ impl NatsCluster {
         self.servers.iter().map(NatsServer::url).collect::<Vec<_>>().join(",")
     }
 }
+
+/// A child process killed (SIGKILL) and reaped when dropped — also when the test panics.
+#[derive(Debug)]
+pub struct ProcessGuard {
+    child: Option<Child>,
+    name: String,
+}
+
+impl ProcessGuard {
+    /// Spawns `cmd`, naming it `name` in messages.
+    ///
+    /// # Panics
+    /// When the process cannot start.
+    pub fn spawn(name: impl Into<String>, cmd: &mut Command) -> Self {
+        let name = name.into();
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        Self { child: Some(child), name }
+    }
+
+    /// The PID while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends a signal (`TERM`, `KILL`, `STOP`, `CONT`, …).
+    pub fn signal(&self, signal: &str) {
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status();
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; `None` if it is still running.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Kills it now (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The name given at spawn.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl Drop for ProcessGuard {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Builds an example of the `flotilla` package (debug profile) and returns its path.
+///
+/// # Panics
+/// When the build fails.
+pub fn example_bin(name: &str) -> PathBuf {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(&workspace)
+        .args(["build", "--quiet", "--example", name])
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo build --example {name}: {e}"));
+    assert!(status.success(), "cargo build --example {name} failed");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
+    let bin = target.join("debug").join("examples").join(name);
+    assert!(bin.is_file(), "{} was not built", bin.display());
+    bin
+}

@@ -50,6 +50,7 @@ conformance!(
     term_removes_from_work_queue,
     dedupe_by_message_id,
     ack_all_acks_the_prefix,
+    reset_consumer_resumes_at_the_committed_position,
     publish_batch_is_ordered,
     pipelined_publishes_keep_call_order,
     publish_expectation_is_checked,
@@ -278,6 +279,32 @@ mod cases {
         assert_eq!(b.stream_state("O").await.expect("stream").messages, 10, "limits retention keeps everything");
     }
 
+    pub async fn reset_consumer_resumes_at_the_committed_position(b: SharedBroker) {
+        b.ensure_stream(StreamSpec::new("O", vec!["o.*".into()], Retention::Limits)).await.expect("stream");
+        let spec = ConsumerSpec {
+            filter_subject: Some("o.1".into()),
+            ack_policy: AckPolicy::All,
+            max_deliver: None,
+            ..consumer("p1", 30_000)
+        };
+        b.ensure_consumer("O", spec.clone()).await.expect("consumer");
+        for i in 0..4 {
+            publish(&b, "o.1", &format!("{i}")).await; // seqs 1, 3, 5, 7
+            publish(&b, "o.2", "other").await;
+        }
+        let got = b.claim("O", "p1", 2, WAIT).await.expect("claim");
+        b.ack_confirmed(&got[0].token, AckKind::Ack).await.expect("commit seq 1");
+        // The owner dies holding seq 3. A new owner must not be handed 5 and 7 first.
+        let state = b.consumer_state("O", "p1").await.expect("state");
+        assert_eq!((state.ack_floor, state.num_ack_pending), (1, 1));
+        let reset = b.reset_consumer("O", spec, state.ack_floor + 1).await.expect("reset");
+        assert_eq!((reset.num_ack_pending, reset.num_pending), (0, 3));
+        let again = b.claim("O", "p1", 10, WAIT).await.expect("claim");
+        let seqs: Vec<u64> = again.iter().map(|d| d.info.stream_seq).collect();
+        assert_eq!(seqs, vec![3, 5, 7], "resumes at the first unacked message, in order, at once");
+        assert_eq!(again[0].info.delivered, 1);
+    }
+
     pub async fn publish_batch_is_ordered(b: SharedBroker) {
         queue(&b, 30_000).await;
         let msgs: Vec<_> = (0..200u32)
@@ -469,11 +496,20 @@ mod cases {
         let mut other = queue_spec();
         other.retention = Retention::Limits;
         assert!(matches!(b.ensure_stream(other).await, Err(BrokerError::ConfigMismatch { .. })));
-        let err = b.ensure_consumer("Q", consumer("w", 5_000)).await.expect_err("ack_wait differs");
-        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "ack_wait"), "{err}");
+        let explicit_to_all = ConsumerSpec { ack_policy: AckPolicy::All, ..consumer("w", 30_000) };
+        let err = b.ensure_consumer("Q", explicit_to_all).await.expect_err("ack policy differs");
+        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "ack_policy"), "{err}");
+        let refiltered = ConsumerSpec { filter_subject: Some("q.other".into()), ..consumer("w", 30_000) };
+        let err = b.ensure_consumer("Q", refiltered).await.expect_err("filter differs");
+        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "filter_subject"), "{err}");
         // Nothing changed: the original configuration is still accepted.
         b.ensure_stream(queue_spec()).await.expect("original stream");
-        b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("original consumer");
+        let c = b.ensure_consumer("Q", consumer("w", 30_000)).await.expect("original consumer");
+        assert_eq!(c.spec, consumer("w", 30_000));
+        // Settings a live consumer can change are updated in place.
+        let c = b.ensure_consumer("Q", consumer("w", 5_000)).await.expect("ack_wait updated");
+        assert_eq!(c.spec.ack_wait, Duration::from_secs(5));
+        assert_eq!(b.consumer_state("Q", "w").await.expect("state").spec.ack_wait, Duration::from_secs(5));
         b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(15)))).await.expect("kv");
         let err = b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(60)))).await.expect_err("kv ttl differs");
         assert!(err.to_string().contains("KV bucket NODES"), "{err}");

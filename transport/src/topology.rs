@@ -103,6 +103,28 @@ pub async fn provision_ordered(
     Ok(())
 }
 
+/// Takes over an ordered partition: when its consumer holds deliveries nobody will ack
+/// (a previous owner died), recreates it at the committed position so processing
+/// resumes at once and in order. Returns whether it reset the consumer.
+///
+/// # Errors
+/// Whatever the broker returns.
+pub async fn take_over_partition(broker: &SharedBroker, js_stream: &str, spec: ConsumerSpec) -> BrokerResult<bool> {
+    let state = broker.consumer_state(js_stream, &spec.name).await?;
+    if state.num_ack_pending == 0 {
+        return Ok(false);
+    }
+    tracing::info!(
+        stream = js_stream,
+        consumer = %spec.name,
+        orphaned = state.num_ack_pending,
+        resume_at = state.ack_floor + 1,
+        "taking over a partition with unacked deliveries: resuming at the committed position"
+    );
+    broker.reset_consumer(js_stream, spec, state.ack_floor + 1).await?;
+    Ok(true)
+}
+
 /// Provisions a queue input: its stream and its shared consumer.
 ///
 /// # Errors

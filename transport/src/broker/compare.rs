@@ -36,12 +36,20 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<(), B
 
 /// `Ok` when `existing` is `wanted` in every field Flotilla sets.
 pub(crate) fn consumer(stream: &str, existing: &ConsumerSpec, wanted: &ConsumerSpec) -> Result<(), BrokerError> {
+    consumer_fixed(stream, existing, wanted)?;
     let object = format!("consumer {} of stream {stream}", wanted.name);
-    field(&object, "filter_subject", &existing.filter_subject, &wanted.filter_subject)?;
-    field(&object, "ack_policy", &existing.ack_policy, &wanted.ack_policy)?;
     field(&object, "ack_wait", &existing.ack_wait, &wanted.ack_wait)?;
     field(&object, "max_deliver", &existing.max_deliver, &wanted.max_deliver)?;
     field(&object, "max_ack_pending", &existing.max_ack_pending, &wanted.max_ack_pending)
+}
+
+/// `Ok` when the fields that cannot change on a live consumer (what it reads and how
+/// it acknowledges) are the wanted ones. The others (ack-wait, max deliveries, max
+/// ack-pending) are updated in place.
+pub(crate) fn consumer_fixed(stream: &str, existing: &ConsumerSpec, wanted: &ConsumerSpec) -> Result<(), BrokerError> {
+    let object = format!("consumer {} of stream {stream}", wanted.name);
+    field(&object, "filter_subject", &existing.filter_subject, &wanted.filter_subject)?;
+    field(&object, "ack_policy", &existing.ack_policy, &wanted.ack_policy)
 }
 
 /// `Ok` when the bucket's history and expiry are the wanted ones.

@@ -73,11 +73,13 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// [`BrokerError::StreamNotFound`].
     fn stream_state(&self, stream: &str) -> BoxFuture<BrokerResult<StreamState>>;
 
-    /// Creates the durable pull consumer if it does not exist, then reads it back.
+    /// Creates the durable pull consumer if it does not exist, then reads it back. An
+    /// existing consumer whose ack-wait, max deliveries or max ack-pending differ is
+    /// updated to `spec` (logged); one whose filter or ack policy differ is refused.
     ///
     /// # Errors
     /// [`BrokerError::StreamNotFound`]; [`BrokerError::ConfigMismatch`] when the consumer
-    /// exists with another configuration.
+    /// exists with another filter or ack policy (nothing is changed then).
     fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BoxFuture<BrokerResult<ConsumerState>>;
 
     /// The state of a consumer (pending, ack-pending, ack floor, redeliveries).
@@ -85,6 +87,21 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// # Errors
     /// [`BrokerError::StreamNotFound`], [`BrokerError::ConsumerNotFound`].
     fn consumer_state(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<ConsumerState>>;
+
+    /// Recreates a durable consumer so that it delivers from stream sequence `start_seq`
+    /// on, forgetting its pending deliveries. This is how a new owner takes over an
+    /// ordered partition whose previous owner died holding unacked messages: without
+    /// it, the broker would hand out later messages first (the orphaned ones wait out
+    /// ack-wait), and the next ack-all would acknowledge the orphaned ones unprocessed.
+    ///
+    /// # Errors
+    /// [`BrokerError::StreamNotFound`], transport errors.
+    fn reset_consumer(
+        &self,
+        stream: &str,
+        spec: ConsumerSpec,
+        start_seq: u64,
+    ) -> BoxFuture<BrokerResult<ConsumerState>>;
 
     /// Deletes a consumer; `Ok(false)` when it did not exist.
     fn delete_consumer(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<bool>>;

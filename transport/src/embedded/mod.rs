@@ -223,8 +223,12 @@ impl Broker for EmbeddedBroker {
     fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BoxFuture<BrokerResult<ConsumerState>> {
         let mut st = self.inner.lock();
         let result = st.stream(stream).and_then(|s| {
-            if let Some(existing) = s.consumers.get(&spec.name) {
-                compare::consumer(stream, &existing.spec, &spec)?;
+            if let Some(existing) = s.consumers.get_mut(&spec.name) {
+                compare::consumer_fixed(stream, &existing.spec, &spec)?;
+                if existing.spec != spec {
+                    tracing::info!(stream, consumer = %spec.name, from = ?existing.spec, to = ?spec, "consumer settings updated");
+                    existing.spec = spec.clone();
+                }
             } else {
                 s.add_consumer(spec.clone())?;
             }
@@ -239,6 +243,20 @@ impl Broker for EmbeddedBroker {
         ready(st.stream(stream).and_then(|s| {
             s.expire(now);
             s.consumer_state(consumer)
+        }))
+    }
+
+    fn reset_consumer(
+        &self,
+        stream: &str,
+        spec: ConsumerSpec,
+        start_seq: u64,
+    ) -> BoxFuture<BrokerResult<ConsumerState>> {
+        let mut st = self.inner.lock();
+        let name = spec.name.clone();
+        ready(st.stream(stream).and_then(|s| {
+            s.reset_consumer(spec, start_seq)?;
+            s.consumer_state(&name)
         }))
     }
 

@@ -322,6 +322,22 @@ impl Stream {
         Ok(())
     }
 
+    /// Replaces a consumer with one that delivers from `start_seq` on.
+    pub fn reset_consumer(&mut self, spec: ConsumerSpec, start_seq: u64) -> BrokerResult<()> {
+        self.consumers.remove(&spec.name);
+        let name = spec.name.clone();
+        self.add_consumer(spec)?;
+        let Stream { msgs, consumers, .. } = self;
+        if let Some(c) = consumers.get_mut(&name) {
+            c.next_seq = start_seq.max(1);
+            c.ack_floor = start_seq.saturating_sub(1);
+            c.last_delivered = start_seq.saturating_sub(1);
+            c.num_pending = msgs.range(c.next_seq..).filter(|(_, m)| c.matches(&m.subject)).count() as u64;
+        }
+        self.notify.notify_waiters();
+        Ok(())
+    }
+
     pub fn consumer_state(&self, name: &str) -> BrokerResult<ConsumerState> {
         let c = self.consumer(name)?;
         Ok(ConsumerState {

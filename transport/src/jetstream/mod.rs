@@ -487,7 +487,23 @@ impl Inner {
         let op = format!("create consumer {} of stream {stream}", spec.name);
         let s = self.stream_handle(stream).await?;
         let info = match s.consumer_info(&spec.name).await {
-            Ok(info) => info,
+            Ok(info) => {
+                let existing = from_consumer_info(&spec.name, &info.config);
+                compare::consumer_fixed(stream, &existing, &spec)?;
+                if existing == spec {
+                    info
+                } else {
+                    // Re-creating a durable with new ack-wait / max deliveries / max
+                    // ack-pending updates it (2.9 and later).
+                    tracing::info!(stream, consumer = %spec.name, from = ?existing, to = ?spec, "consumer settings updated");
+                    let mut c = s
+                        .create_consumer(to_consumer_config(&spec))
+                        .await
+                        .map_err(|e| api_error(&op, e, self.request_timeout))?;
+                    self.consumers.remove(&(stream.to_owned(), spec.name.clone()));
+                    c.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()
+                }
+            }
             Err(e) if consumer_missing(&e) => {
                 let mut c = s
                     .create_consumer(to_consumer_config(&spec))
@@ -632,6 +648,32 @@ impl Broker for JetStreamBroker {
                 Err(e) if consumer_missing(&e) => Err(BrokerError::ConsumerNotFound { stream, consumer }),
                 Err(e) => Err(api_error(&format!("consumer info {consumer}"), e, inner.request_timeout)),
             }
+        })
+    }
+
+    fn reset_consumer(
+        &self,
+        stream: &str,
+        spec: ConsumerSpec,
+        start_seq: u64,
+    ) -> BoxFuture<BrokerResult<ConsumerState>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        Box::pin(async move {
+            let op = format!("reset consumer {} of {stream} to sequence {start_seq}", spec.name);
+            let s = inner.stream_handle(&stream).await?;
+            inner.consumers.remove(&(stream.clone(), spec.name.clone()));
+            match s.delete_consumer(&spec.name).await {
+                Ok(_) => {}
+                Err(e) if consumer_missing(&e) => {}
+                Err(e) => return Err(api_error(&op, e, inner.request_timeout)),
+            }
+            let mut config = to_consumer_config(&spec);
+            config.deliver_policy =
+                jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: start_seq.max(1) };
+            let mut c = s.create_consumer(config).await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let info = c.info().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            Ok(consumer_state(&stream, info))
         })
     }
 

@@ -1,0 +1,241 @@
+//! The run loop against a real nats-server: both input kinds, dead letters,
+//! heartbeats across two nodes, and a relay process killed mid-batch.
+
+use bytes::Bytes;
+use flotilla_actors::{Job, StreamDef, Task, TaskContext, TaskError};
+use flotilla_tests::{NatsServer, ProcessGuard, example_bin};
+use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::{Codec, headers, partition_for};
+use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Record {
+    id: u64,
+    body: String,
+}
+
+thread_local! {
+    static CALLS: RefCell<HashMap<u64, u32>> = RefCell::new(HashMap::new());
+}
+
+struct Forward {
+    out: StreamDef<Record>,
+}
+
+impl Task for Forward {
+    type Input = Record;
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        CALLS.with(|c| *c.borrow_mut().entry(r.id).or_default() += 1);
+        if r.body.starts_with("poison") {
+            return Err(TaskError::failed("poison"));
+        }
+        if let Some(ms) = r.body.strip_prefix("sleep:") {
+            tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(0))).await;
+        }
+        ctx.send(&self.out, &r.id.to_string(), &r).await
+    }
+}
+
+async fn connect(server: &NatsServer) -> SharedBroker {
+    JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared()
+}
+
+async fn publish(b: &SharedBroker, subject: String, id: u64, body: &str) {
+    let payload = Codec::default().encode(&Record { id, body: body.into() }).expect("encode");
+    b.publish(
+        OutboundMessage::new(subject, payload).with_id(format!("in-{id}")).with_header(headers::KEY, id.to_string()),
+    )
+    .await
+    .expect("publish");
+}
+
+async fn count(b: &SharedBroker, stream: &str) -> u64 {
+    b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0)
+}
+
+async fn wait_count(b: &SharedBroker, stream: &str, n: u64, within: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if count(b, stream).await >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
+}
+
+/// Every record in a stream, read through a fresh consumer: (subject, record, headers).
+async fn read_all(b: &SharedBroker, stream: &str) -> Vec<(String, Record, flotilla_transport::wire::Headers)> {
+    let name = format!("check-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
+    let spec =
+        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
+    b.ensure_consumer(stream, spec).await.expect("checker consumer");
+    let mut out = Vec::new();
+    loop {
+        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            let r = Codec::default()
+                .decode::<Record>(&d.payload)
+                .unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
+            out.push((d.subject, r, d.headers));
+        }
+    }
+    b.delete_consumer(stream, &name).await.expect("delete checker");
+    out
+}
+
+#[actix_rt::test]
+async fn ordered_and_queue_inputs_end_to_end_on_jetstream() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
+    const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
+    const JOBS: StreamDef<Record> = StreamDef::queue("jobs");
+    const DONE: StreamDef<Record> = StreamDef::queue("done");
+    let job = Job::new("t")
+        .task(IN, |_| Forward { out: OUT })
+        .max_attempts(2)
+        .output(OUT)
+        .task(JOBS, |_| Forward { out: DONE })
+        .max_attempts(2)
+        .output(DONE)
+        .start(b.clone())
+        .await
+        .expect("start");
+    for id in 0..300 {
+        let body = if id == 7 { "poison" } else { "ok" };
+        publish(&b, format!("flotilla.t.in.{}", partition_for(&id.to_string(), 4)), id, body).await;
+        publish(&b, "flotilla.t.jobs".into(), 1000 + id, if id == 8 { "poison" } else { "ok" }).await;
+    }
+    b.publish(OutboundMessage::new("flotilla.t.jobs", Bytes::from_static(b"\xff\xff\xff")).with_id("garbage"))
+        .await
+        .expect("garbage");
+    wait_count(&b, "FLOTILLA_t_out", 299, Duration::from_secs(30)).await;
+    wait_count(&b, "FLOTILLA_t_done", 299, Duration::from_secs(30)).await;
+    wait_count(&b, "FLOTILLA_t_DLQ", 3, Duration::from_secs(30)).await;
+
+    let out = read_all(&b, "FLOTILLA_t_out").await;
+    assert_eq!(out.len(), 299);
+    let mut last: BTreeMap<String, u64> = BTreeMap::new();
+    for (subject, r, _) in &out {
+        if let Some(prev) = last.insert(subject.clone(), r.id) {
+            assert!(prev < r.id, "{subject}: {} after {prev}", r.id);
+        }
+    }
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ").await;
+    let mut reasons: Vec<(String, String)> =
+        dlq.iter().map(|(s, _, h)| (s.clone(), h.get(headers::DLQ_REASON).unwrap_or_default().to_owned())).collect();
+    reasons.sort();
+    assert_eq!(
+        reasons,
+        vec![
+            ("flotilla.t._dlq.in".into(), "max-attempts".into()),
+            ("flotilla.t._dlq.jobs".into(), "malformed".into()),
+            ("flotilla.t._dlq.jobs".into(), "max-attempts".into()),
+        ]
+    );
+    job.stop();
+    job.wait().await.expect("clean stop");
+    assert_eq!(count(&b, "FLOTILLA_t_jobs").await, 0, "work queue empty: acked or terminated");
+    for p in 0..4 {
+        let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
+        assert_eq!((c.num_pending, c.num_ack_pending), (0, 0), "partition {p} fully committed: {c:?}");
+    }
+}
+
+#[actix_rt::test]
+async fn a_handler_running_three_times_ack_wait_is_delivered_once() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    const JOBS: StreamDef<Record> = StreamDef::queue("jobs");
+    const DONE: StreamDef<Record> = StreamDef::queue("done");
+    let node = || Job::new("t").task(JOBS, |_| Forward { out: DONE }).ack_wait(Duration::from_secs(1)).output(DONE);
+    let a = node().start(b.clone()).await.expect("node a");
+    publish(&b, "flotilla.t.jobs".into(), 1, "sleep:3000").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = node().start(b.clone()).await.expect("node b"); // pulls all along
+    wait_count(&b, "FLOTILLA_t_done", 1, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(CALLS.with(|c| c.borrow().get(&1).copied()), Some(1), "delivered once");
+    for job in [a, second] {
+        job.stop();
+        job.wait().await.expect("stop");
+    }
+}
+
+fn relay(bin: &std::path::Path, server: &NatsServer, args: &[&str], log: &std::path::Path) -> ProcessGuard {
+    let log = std::fs::File::create(log).expect("log file");
+    let mut cmd = Command::new(bin);
+    cmd.args(["--nats", &server.url()]).args(args).stdout(Stdio::null()).stderr(log).env("FLOTILLA_LOG", "warn");
+    ProcessGuard::spawn("relay", &mut cmd)
+}
+
+#[actix_rt::test]
+async fn relay_killed_mid_batch_and_restarted_loses_nothing() {
+    let bin = example_bin("relay");
+    let server = NatsServer::start();
+    let dir = tempfile::tempdir().expect("tmp");
+    let publish = Command::new(&bin)
+        .args(["--nats", &server.url(), "publish", "--count", "5000"]) // provisions with the default 30 s ack-wait
+        .output()
+        .expect("relay publish");
+    assert!(publish.status.success(), "publish failed: {}", String::from_utf8_lossy(&publish.stderr));
+    let b = connect(&server).await;
+    let mut first = relay(&bin, &server, &["--ack-wait", "2s", "--node-id", "a"], &dir.path().join("a.log"));
+    let start = Instant::now();
+    while count(&b, "FLOTILLA_relay_relay-out").await < 500 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "relay made no progress: {}",
+            std::fs::read_to_string(dir.path().join("a.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    first.signal("KILL");
+    assert!(first.wait_timeout(Duration::from_secs(5)).is_some(), "killed");
+    let at_kill = count(&b, "FLOTILLA_relay_relay-out").await;
+    let mut second = relay(&bin, &server, &["--ack-wait", "2s", "--node-id", "b"], &dir.path().join("b.log"));
+    let start = Instant::now();
+    while count(&b, "FLOTILLA_relay_relay-out").await < 5000 {
+        if start.elapsed() > Duration::from_secs(90) {
+            let out = read_all(&b, "FLOTILLA_relay_relay-out").await;
+            let ids: BTreeSet<u64> = out.iter().map(|(_, r, _)| r.id).collect();
+            let missing: Vec<u64> = (0..5000).filter(|i| !ids.contains(i)).collect();
+            let mut states = Vec::new();
+            for p in 0..8 {
+                states.push(format!(
+                    "{:?}",
+                    b.consumer_state("FLOTILLA_relay_relay-in", &format!("relay-in-p{p}")).await
+                ));
+            }
+            panic!(
+                "relay-out has {} of 5000 (killed at {at_kill}); missing {missing:?} (partitions {:?}); DLQ {}; consumers {states:#?}; log a: {}; log b: {}",
+                out.len(),
+                missing.iter().map(|i| partition_for(&i.to_string(), 8)).collect::<Vec<_>>(),
+                count(&b, "FLOTILLA_relay_DLQ").await,
+                std::fs::read_to_string(dir.path().join("a.log")).unwrap_or_default(),
+                std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    second.signal("TERM");
+    let status = second.wait_timeout(Duration::from_secs(30)).expect("graceful exit");
+    assert!(
+        status.success(),
+        "exit status {status}: {}",
+        std::fs::read_to_string(dir.path().join("b.log")).unwrap_or_default()
+    );
+    let out = read_all(&b, "FLOTILLA_relay_relay-out").await;
+    let ids: BTreeSet<u64> = out.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(ids, (0..5000).collect::<BTreeSet<u64>>(), "every record is in relay-out (killed after {at_kill})");
+    assert_eq!(out.len(), 5000, "redelivered inputs produced the same output ids, so no duplicates were stored");
+}
