@@ -135,7 +135,7 @@ async fn publish(
     sleep_one: Option<u64>,
 ) -> anyhow::Result<()> {
     let codec = flotilla::transport::wire::Codec::default();
-    let every = if poison == 0 { u64::MAX } else { (count / poison).max(1) };
+    let every = count.checked_div(poison).map_or(u64::MAX, |n| n.max(1));
     let mut batch = Vec::new();
     let mut poisoned = 0;
     for i in 0..count {
