@@ -1,12 +1,4 @@
-//! Flotilla: a durable, distributed actor runtime on NATS JetStream.
-//!
-//! This facade re-exports the layers (`node → actors → transport`) and a [`prelude`].
-//! See `DESIGN.md`-level documentation in each crate:
-//!
-//! * [`transport`]: wire format, codec, the [`Broker`](transport::Broker) interface,
-//!   JetStream and embedded backends;
-//! * [`actors`]: the run loop as actix actors;
-//! * [`node`]: a process — connection, configuration, the `flotilla` CLI.
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

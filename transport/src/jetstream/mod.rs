@@ -149,7 +149,7 @@ impl JetStreamBroker {
                 async move {
                     let ev = map_event(ev);
                     match &ev {
-                        ConnectionEvent::Connected => debug!(event = ?ev, "nats connection"),
+                        ConnectionEvent::Connected | ConnectionEvent::Closed => debug!(event = ?ev, "nats connection"),
                         _ => warn!(event = ?ev, "nats connection"),
                     }
                     let _ = tx.send(ev);

@@ -1,0 +1,181 @@
+//! `wordcount`: a two-stage stream job. `lines` (ordered) are split into words, which
+//! are repartitioned by word into `words` (ordered); the counting task keeps counts per
+//! partition and emits them to `counts` every window. It feeds itself a text, runs until
+//! every word is counted, prints the most frequent words and exits.
+//!
+//! ```text
+//! cargo run --example wordcount
+//! cargo run --example wordcount -- --nats nats://127.0.0.1:4222
+//! ```
+
+use clap::Parser;
+use flotilla::prelude::*;
+use flotilla::transport::broker::{ConsumerSpec, OutboundMessage};
+use flotilla::transport::wire::{Codec, headers, partition_for};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Line {
+    doc: u32,
+    text: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Word {
+    word: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct WordCount {
+    word: String,
+    count: u64,
+}
+
+const PARTITIONS: u32 = 4;
+const LINES: StreamDef<Line> = StreamDef::ordered("lines", PARTITIONS);
+const WORDS: StreamDef<Word> = StreamDef::ordered("words", PARTITIONS);
+const COUNTS: StreamDef<WordCount> = StreamDef::ordered("counts", PARTITIONS);
+
+const TEXT: &str = "the run loop of a stream processor keeps one task per partition and commits in order \
+the work queue claims only what can start and keeps long work alive with heartbeats \
+a reaper takes back work that a dead process abandoned and poison goes to the dead letter stream \
+the task sees each message once per attempt and the broker keeps the order of each partition";
+
+#[derive(Parser)]
+#[command(about = "Count words through two ordered stages")]
+struct Args {
+    #[command(flatten)]
+    node: NodeArgs,
+    /// How many times the text is fed.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    repeat: u32,
+    /// Window interval (counts are emitted every window), e.g. 500ms.
+    #[arg(long, default_value = "500ms", value_parser = |s: &str| humantime::parse_duration(s).map_err(|e| format!("{e}: write e.g. 500ms or 2s")))]
+    window: Duration,
+}
+
+/// Splits lines into words, keyed by word.
+struct Split;
+
+impl Task for Split {
+    type Input = Line;
+    async fn process(&mut self, line: Line, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        for word in line.text.split_whitespace() {
+            ctx.send(&WORDS, word, Word { word: word.to_owned() }).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Counts words of one partition; emits the totals that changed every window.
+struct Count {
+    totals: HashMap<String, u64>,
+    changed: Vec<String>,
+    seen: Rc<RefCell<u64>>,
+}
+
+impl Task for Count {
+    type Input = Word;
+    async fn process(&mut self, w: Word, _ctx: &mut TaskContext) -> Result<(), TaskError> {
+        *self.totals.entry(w.word.clone()).or_default() += 1;
+        self.changed.push(w.word);
+        *self.seen.borrow_mut() += 1;
+        Ok(())
+    }
+
+    async fn window(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        self.changed.sort();
+        self.changed.dedup();
+        for word in std::mem::take(&mut self.changed) {
+            let count = self.totals[&word];
+            ctx.send(&COUNTS, &word.clone(), WordCount { word, count }).await?;
+        }
+        Ok(())
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let expected_words = u64::from(args.repeat) * TEXT.split_whitespace().count() as u64;
+    let seen = Rc::new(RefCell::new(0u64));
+    let s = seen.clone();
+    let job = Job::new("wordcount")
+        .task(LINES, |_| Split)
+        .task(WORDS, move |_| Count { totals: HashMap::new(), changed: Vec::new(), seen: s.clone() })
+        .window_every(args.window)
+        .output(COUNTS);
+    let started = Instant::now();
+    let repeat = args.repeat;
+    let summary: Rc<RefCell<Vec<(String, u64)>>> = Rc::default();
+    let sum = summary.clone();
+    let seen_driver = seen.clone();
+    flotilla::node::run(job, args.node, move |node| async move {
+        let codec = Codec::default();
+        let mut batch = Vec::new();
+        for doc in 0..repeat {
+            let key = doc.to_string();
+            let line = Line { doc, text: TEXT.to_owned() };
+            let Ok(payload) = codec.encode(&line) else { return };
+            batch.push(
+                OutboundMessage::new(format!("flotilla.wordcount.lines.{}", partition_for(&key, PARTITIONS)), payload)
+                    .with_id(format!("wordcount-{}-doc-{doc}", node.run_id))
+                    .with_header(headers::KEY, key),
+            );
+        }
+        for ack in node.broker.publish_batch(batch).await {
+            if let Err(e) = ack {
+                eprintln!("wordcount: feeding the text failed: {e}");
+                node.stopper.stop();
+                return;
+            }
+        }
+        // Wait until every word was counted and a window has emitted the totals.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while *seen_driver.borrow() < expected_words {
+            if Instant::now() > deadline {
+                eprintln!("wordcount: only {} of {expected_words} words counted after 120 s", *seen_driver.borrow());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(args.window * 2).await;
+        // Read the latest count per word back from the output stream.
+        let reader = ConsumerSpec {
+            max_ack_pending: None,
+            ..ConsumerSpec::new(format!("summary-{}", node.node_id.replace(['.', ' '], "-")))
+        };
+        let name = reader.name.clone();
+        if node.broker.ensure_consumer("FLOTILLA_wordcount_counts", reader).await.is_ok() {
+            let mut latest: BTreeMap<String, u64> = BTreeMap::new();
+            while let Ok(got) =
+                node.broker.claim("FLOTILLA_wordcount_counts", &name, 1000, Duration::from_millis(200)).await
+            {
+                if got.is_empty() {
+                    break;
+                }
+                for d in got {
+                    if let Ok(wc) = codec.decode::<WordCount>(&d.payload) {
+                        let e = latest.entry(wc.word).or_default();
+                        *e = (*e).max(wc.count);
+                    }
+                }
+            }
+            let _ = node.broker.delete_consumer("FLOTILLA_wordcount_counts", &name).await;
+            let mut top: Vec<(String, u64)> = latest.into_iter().collect();
+            top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            *sum.borrow_mut() = top;
+        }
+        node.stopper.stop();
+    })?;
+    let top = summary.borrow();
+    let total: u64 = top.iter().map(|(_, c)| c).sum();
+    println!("wordcount: {} lines, {} words counted in {:.2?}", args.repeat, *seen.borrow(), started.elapsed());
+    println!("distinct words {}, sum of latest counts {total} (expected {expected_words})", top.len());
+    for (word, count) in top.iter().take(8) {
+        println!("  {word:<12} {count}");
+    }
+    Ok(())
+}
