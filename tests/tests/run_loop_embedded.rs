@@ -361,3 +361,272 @@ async fn misconfigured_jobs_are_refused_naming_the_setting() {
     let e = Job::new("t").task(BAD, |_| Relay::<true>).start(b).await.expect_err("bad stream");
     assert!(e.to_string().contains("invalid stream name"), "{e}");
 }
+
+/// Forwards to `out`, and acts on control bodies: `stop-all`, `stop-me`,
+/// `timer:<secs>`, `defer:<ms>`; counts drain and end-of-stream hooks.
+struct Probe {
+    hooks: Rc<RefCell<Vec<String>>>,
+}
+
+const TWO: StreamDef<Record> = StreamDef::ordered("two", 2);
+const PROBED: StreamDef<Record> = StreamDef::ordered("probed", 2);
+
+impl Task for Probe {
+    type Input = Record;
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        match r.body.as_str() {
+            "stop-all" => ctx.shutdown(flotilla_actors::ShutdownScope::AllTasksInContainer),
+            "stop-me" => ctx.shutdown(flotilla_actors::ShutdownScope::CurrentTask),
+            b if b.starts_with("timer:") => {
+                let secs: u64 = b[6..].parse().map_err(|_| TaskError::failed("bad timer"))?;
+                ctx.schedule(format!("t{}", r.id), Duration::from_secs(secs));
+            }
+            b if b.starts_with("defer:") => {
+                let ms: u64 = b[6..].parse().map_err(|_| TaskError::failed("bad defer"))?;
+                let out = ctx.outputs();
+                let rec = r.clone();
+                ctx.defer(async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    out.send(&PROBED, &rec.id.to_string(), &rec).await
+                });
+                return Ok(());
+            }
+            b if b.starts_with("sleep:") => {
+                tokio::time::sleep(Duration::from_millis(b[6..].parse().unwrap_or(0))).await;
+            }
+            _ => {}
+        }
+        ctx.send(&PROBED, &r.id.to_string(), &r).await
+    }
+    async fn timer(&mut self, name: String, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        self.hooks.borrow_mut().push(format!("timer {name}"));
+        ctx.send(&PROBED, "timer", Record { id: 9999, body: name }).await
+    }
+    async fn drain(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        self.hooks.borrow_mut().push(format!("drain p{:?}", ctx.partition()));
+        Ok(())
+    }
+    async fn end_of_stream(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        self.hooks.borrow_mut().push(format!("eos p{:?}", ctx.partition()));
+        Ok(())
+    }
+}
+
+async fn publish_two(b: &SharedBroker, partition: u32, id: u64, body: &str, kind: Option<(&str, &str)>) {
+    let payload = codec().encode(&Record { id, body: body.into() }).expect("encode");
+    let mut msg = OutboundMessage::new(format!("flotilla.t.two.{partition}"), payload)
+        .with_id(format!("two-{partition}-{id}-{body}"));
+    if let Some((kind, run)) = kind {
+        msg.headers.insert(headers::KIND, kind);
+        msg.headers.insert(headers::RUN, run);
+    }
+    b.publish(msg).await.expect("publish");
+}
+
+fn probe_job(hooks: &Rc<RefCell<Vec<String>>>) -> Job {
+    let h = hooks.clone();
+    Job::new("t").task(TWO, move |_| Probe { hooks: h.clone() })
+}
+
+#[actix_rt::test]
+async fn a_current_drain_marker_drains_every_partition_and_the_job_completes() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).run_id("run-1").start(b.clone()).await.expect("start");
+    publish_two(&b, 0, 100, "", Some(("drain", "run-0"))).await; // a stale marker: dropped
+    for p in 0..2 {
+        for id in 0..5 {
+            publish_two(&b, p, id, "before", None).await;
+        }
+        publish_two(&b, p, 50, "", Some(("drain", "run-1"))).await;
+        for id in 10..13 {
+            publish_two(&b, p, id, "after", None).await;
+        }
+    }
+    tokio::time::timeout(Duration::from_secs(60), job.wait()).await.expect("drained in time").expect("completed");
+    let mut h = hooks.borrow().clone();
+    h.sort();
+    assert_eq!(h, vec!["drain pSome(0)", "drain pSome(1)"]);
+    let out = read_all(&b, "FLOTILLA_t_probed", None).await;
+    assert!(out.iter().all(|(_, r, _)| r.body == "before"), "nothing after a marker was processed");
+    assert_eq!(out.len(), 10, "everything before the markers was processed");
+    // The next run picks up what followed the markers.
+    let job = probe_job(&hooks).run_id("run-2").start(b.clone()).await.expect("next run");
+    wait_for(&b, "FLOTILLA_t_probed", 16).await;
+    job.stop();
+    job.wait().await.expect("stop");
+    let out = read_all(&b, "FLOTILLA_t_probed", None).await;
+    assert_eq!(out.iter().filter(|(_, r, _)| r.body == "after").count(), 6);
+}
+
+#[actix_rt::test]
+async fn end_of_stream_on_every_partition_completes_the_job() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start");
+    for p in 0..2 {
+        publish_two(&b, p, 1, "x", None).await;
+        publish_two(&b, p, 2, "", Some(("end-of-stream", ""))).await;
+    }
+    tokio::time::timeout(Duration::from_secs(60), job.wait()).await.expect("ended in time").expect("completed");
+    let mut h = hooks.borrow().clone();
+    h.sort();
+    assert_eq!(h, vec!["eos pSome(0)", "eos pSome(1)"]);
+    assert_eq!(read_all(&b, "FLOTILLA_t_probed", None).await.len(), 2);
+}
+
+#[actix_rt::test]
+async fn shutdown_requests_follow_their_scope() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start");
+    publish_two(&b, 0, 1, "stop-me", None).await;
+    // One task of two asked for itself: the container keeps running.
+    let mut waiting = Box::pin(job.wait());
+    assert!(
+        tokio::time::timeout(Duration::from_secs(30), &mut waiting).await.is_err(),
+        "stopped on a current-task request"
+    );
+    publish_two(&b, 1, 2, "stop-me", None).await;
+    tokio::time::timeout(Duration::from_secs(30), waiting).await.expect("every task asked").expect("completed");
+
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start again");
+    publish_two(&b, 1, 3, "stop-all", None).await;
+    tokio::time::timeout(Duration::from_secs(30), job.wait())
+        .await
+        .expect("one all-tasks request stops it")
+        .expect("completed");
+}
+
+#[actix_rt::test]
+async fn a_callback_past_its_timeout_fails_the_task() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).callback_timeout(Duration::from_secs(2)).start(b.clone()).await.expect("start");
+    publish_two(&b, 0, 1, "sleep:10000", None).await;
+    let err = tokio::time::timeout(Duration::from_secs(60), job.wait()).await.expect("exits").expect_err("failed");
+    assert!(err.to_string().contains("did not complete within 2s"), "{err}");
+}
+
+#[actix_rt::test]
+async fn user_timers_fire_on_paused_time() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start");
+    let started = tokio::time::Instant::now();
+    publish_two(&b, 0, 7, "timer:3600", None).await;
+    wait_for(&b, "FLOTILLA_t_probed", 1).await;
+    assert!(hooks.borrow().is_empty(), "not before the hour");
+    tokio::time::sleep(Duration::from_secs(3601)).await;
+    wait_for(&b, "FLOTILLA_t_probed", 2).await;
+    assert_eq!(*hooks.borrow(), vec!["timer t7"]);
+    assert!(started.elapsed() >= Duration::from_secs(3600));
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn deferred_work_runs_up_to_max_concurrency_at_once() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    const ONE: StreamDef<Record> = StreamDef::ordered("two", 1);
+    let h = hooks.clone();
+    let job = Job::new("t")
+        .task(ONE, move |_| Probe { hooks: h.clone() })
+        .max_concurrency(4)
+        .start(b.clone())
+        .await
+        .expect("start");
+    let started = tokio::time::Instant::now();
+    for id in 0..8 {
+        publish_two(&b, 0, id, "defer:1000", None).await;
+    }
+    wait_for(&b, "FLOTILLA_t_probed", 8).await;
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_millis(2500),
+        "8 × 1 s with 4 at once took {took:?}"
+    );
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn a_lasting_backlog_is_reported_degraded_then_recovered() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let mut events = b.subscribe("flotilla.t._evt.>", None).await.expect("events");
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let config = flotilla_actors::container::ContainerConfig {
+        backlog_interval: Duration::from_secs(1),
+        backlog_threshold: 10,
+        backlog_strikes: 3,
+        ..Default::default()
+    };
+    let job = probe_job(&hooks).container_config(config).start(b.clone()).await.expect("start");
+    for id in 0..30 {
+        publish_two(&b, 1, id, "sleep:500", None).await;
+    }
+    let mut seen = Vec::new();
+    let found = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(ev) = futures::StreamExt::next(&mut events).await {
+            let v: serde_json::Value = serde_json::from_slice(&ev.payload).expect("event json");
+            seen.push((ev.subject.clone(), v.clone()));
+            if v["type"] == "recovered" {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(found.is_ok(), "events: {seen:?}");
+    let degraded = seen.iter().find(|(s, _)| s == "flotilla.t._evt.degraded").expect("degraded event");
+    assert_eq!(degraded.1["stream"], "two");
+    assert_eq!(degraded.1["partition"], 1, "names the partition holding the backlog");
+    assert!(degraded.1["backlog"].as_u64().unwrap_or(0) > 10);
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn an_unavailable_broker_is_reported_backed_off_from_and_resumed() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let mut events = b.subscribe("flotilla.t._evt.>", None).await.expect("events");
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start");
+    for id in 0..5 {
+        publish_two(&b, 0, id, "x", None).await;
+    }
+    wait_for(&b, "FLOTILLA_t_probed", 5).await;
+    embedded.set_unavailable(true);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    embedded.set_unavailable(false);
+    for id in 5..10 {
+        publish_two(&b, 0, id, "x", None).await;
+    }
+    wait_for(&b, "FLOTILLA_t_probed", 10).await;
+    let mut kinds = Vec::new();
+    while let Ok(Some(ev)) =
+        tokio::time::timeout(Duration::from_millis(10), futures::StreamExt::next(&mut events)).await
+    {
+        let v: serde_json::Value = serde_json::from_slice(&ev.payload).expect("json");
+        kinds.push(v["type"].as_str().unwrap_or_default().to_owned());
+    }
+    let unavailable = kinds.iter().filter(|k| *k == "queue_unavailable").count();
+    assert!(unavailable >= 2, "one per partition at least: {kinds:?}");
+    assert!(
+        unavailable <= 8,
+        "reported once per outage per partition (plus every 10th retry), not per claim: {kinds:?}"
+    );
+    assert!(kinds.iter().any(|k| k == "queue_available"), "{kinds:?}");
+    job.stop();
+    job.wait().await.expect("stop");
+}

@@ -513,11 +513,13 @@ impl<T: Task> TaskWorker<T> {
                 "commit" => act.commit_positions(),
                 "drain" => {
                     act.commit_positions();
+                    act.hand_back_unstarted();
                     act.finish(Outcome::Drained, ctx);
                     return;
                 }
                 "end_of_stream" => {
                     act.commit_positions();
+                    act.hand_back_unstarted();
                     act.finish(Outcome::EndOfStream, ctx);
                     return;
                 }
@@ -578,6 +580,16 @@ impl<T: Task> TaskWorker<T> {
         );
         self.release_all();
         self.finish(Outcome::Failed(reason), ctx);
+    }
+
+    /// Naks (without delay) what was claimed and never started — for example what
+    /// followed a drain marker — so the next run gets it at once.
+    fn hand_back_unstarted(&mut self) {
+        for p in self.state.take_unstarted() {
+            self.claimed.remove(&p.order);
+            self.known.remove(&p.msg.info.stream_seq);
+            self.ack(&p.msg.token, AckKind::Nak(None));
+        }
     }
 
     /// Naks every message held and not finished, without delay.
@@ -721,11 +733,7 @@ impl<T: Task> Handler<StopWorker> for TaskWorker<T> {
         }
         self.stopping = true;
         // Interrupted is not failed: hand back at once what has not started.
-        for p in self.state.take_unstarted() {
-            self.claimed.remove(&p.order);
-            self.known.remove(&p.msg.info.stream_seq);
-            self.ack(&p.msg.token, AckKind::Nak(None));
-        }
+        self.hand_back_unstarted();
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
             if !act.finished {

@@ -42,6 +42,8 @@ pub struct EmbeddedBroker {
 
 struct Inner {
     state: Mutex<State>,
+    /// Fault injection: JetStream operations fail while set.
+    unavailable: std::sync::atomic::AtomicBool,
     clock: Arc<dyn Clock>,
     events: broadcast::Sender<ConnectionEvent>,
     max_payload: usize,
@@ -71,6 +73,7 @@ impl EmbeddedBroker {
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
+                unavailable: std::sync::atomic::AtomicBool::new(false),
                 clock,
                 events,
                 max_payload: DEFAULT_MAX_PAYLOAD,
@@ -82,9 +85,35 @@ impl EmbeddedBroker {
     pub fn shared(&self) -> crate::broker::SharedBroker {
         Arc::new(self.clone())
     }
+
+    /// Fault injection for tests: while `true`, publishes, claims, acks and KV
+    /// operations fail with [`BrokerError::Disconnected`] (as when JetStream has lost its
+    /// quorum); core publish/subscribe keeps working. Raises
+    /// [`ConnectionEvent::Disconnected`] / [`ConnectionEvent::Connected`].
+    pub fn set_unavailable(&self, unavailable: bool) {
+        let was = self.inner.unavailable.swap(unavailable, std::sync::atomic::Ordering::SeqCst);
+        if was != unavailable {
+            let _ = self.inner.events.send(if unavailable {
+                ConnectionEvent::Disconnected
+            } else {
+                ConnectionEvent::Connected
+            });
+        }
+    }
 }
 
 impl Inner {
+    fn check(&self, operation: &str) -> BrokerResult<()> {
+        if self.unavailable.load(std::sync::atomic::Ordering::SeqCst) {
+            Err(BrokerError::Disconnected {
+                operation: operation.to_owned(),
+                reason: "embedded broker made unavailable (fault injection)".into(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the state half-updated in a way
         // that matters more than losing the broker; keep serving.
@@ -92,6 +121,7 @@ impl Inner {
     }
 
     fn publish_now(&self, msg: OutboundMessage) -> BrokerResult<PublishAck> {
+        self.check("publish")?;
         let size = msg.payload.len();
         if size > self.max_payload {
             return Err(BrokerError::PayloadTooLarge { size, limit: self.max_payload });
@@ -144,6 +174,7 @@ impl Inner {
         op: KvOperation,
         expect: Option<u64>,
     ) -> BrokerResult<u64> {
+        self.check("KV write")?;
         compare::validate_key(key)?;
         let stream = format!("KV_{bucket}");
         let subject = format!("$KV.{bucket}.{key}");
@@ -159,6 +190,7 @@ impl Inner {
     }
 
     fn kv_current(&self, bucket: &str, key: &str) -> BrokerResult<Option<KvEntry>> {
+        self.check("KV read")?;
         compare::validate_key(key)?;
         let mut st = self.lock();
         let s = st
@@ -293,6 +325,7 @@ impl Broker for EmbeddedBroker {
         let stream = stream.to_owned();
         let consumer = consumer.to_owned();
         Box::pin(async move {
+            inner.check("claim")?;
             if max == 0 {
                 return Ok(Vec::new());
             }
