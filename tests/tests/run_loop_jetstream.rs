@@ -239,3 +239,47 @@ async fn relay_killed_mid_batch_and_restarted_loses_nothing() {
     assert_eq!(ids, (0..5000).collect::<BTreeSet<u64>>(), "every record is in relay-out (killed after {at_kill})");
     assert_eq!(out.len(), 5000, "redelivered inputs produced the same output ids, so no duplicates were stored");
 }
+
+#[actix_rt::test]
+async fn nats_server_killed_and_restarted_under_load_loses_nothing() {
+    let mut server = NatsServer::start();
+    let b = connect(&server).await;
+    const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
+    const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
+    let job = Job::new("t")
+        .task(IN, |_| Forward { out: OUT })
+        .ack_wait(Duration::from_secs(5))
+        .output(OUT)
+        .start(b.clone())
+        .await
+        .expect("start");
+    for id in 0..1000 {
+        publish(&b, format!("flotilla.t.in.{}", partition_for(&id.to_string(), 4)), id, "ok").await;
+    }
+    wait_count(&b, "FLOTILLA_t_out", 100, Duration::from_secs(30)).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    server.restart();
+    // Publish more once the client has reconnected.
+    let start = Instant::now();
+    let mut id = 1000;
+    while id < 1500 {
+        let payload = Codec::default().encode(&Record { id, body: "ok".into() }).expect("encode");
+        let msg = OutboundMessage::new(format!("flotilla.t.in.{}", partition_for(&id.to_string(), 4)), payload)
+            .with_id(format!("in-{id}"))
+            .with_header(headers::KEY, id.to_string());
+        match b.publish(msg).await {
+            Ok(_) => id += 1,
+            Err(e) => {
+                assert!(start.elapsed() < Duration::from_secs(30), "no reconnect after 30 s: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    wait_count(&b, "FLOTILLA_t_out", 1500, Duration::from_secs(60)).await;
+    let out = read_all(&b, "FLOTILLA_t_out").await;
+    let ids: BTreeSet<u64> = out.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(ids, (0..1500).collect::<BTreeSet<u64>>(), "every record made it through the restart");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
