@@ -54,6 +54,12 @@ struct Args {
     /// Use the queue streams relay-jobs → relay-done instead of the ordered ones.
     #[arg(long, global = true)]
     queue: bool,
+    /// Queue mode: records in flight at once per node (ordered mode is always 1, to keep order).
+    #[arg(long, default_value_t = 64, global = true, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    concurrency: u64,
+    /// Embedded broker only: how many records the demo feeds itself.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=10_000_000))]
+    demo: u64,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -206,6 +212,7 @@ fn main() -> anyhow::Result<()> {
         .task(input, move |_| Relay::<Record> { out: output, counts: c.clone(), _input: std::marker::PhantomData })
         .max_attempts(args.max_attempts)
         .ack_wait(args.ack_wait)
+        .max_concurrency(if args.queue { args.concurrency as usize } else { 1 })
         .retry(RetryPolicy {
             max_attempts: args.max_attempts,
             initial_backoff: Duration::from_millis(100),
@@ -213,7 +220,7 @@ fn main() -> anyhow::Result<()> {
         })
         .output(output);
     let started = Instant::now();
-    let demo_count = 1000;
+    let demo_count = args.demo;
     let node_id = args.node.node_id();
     let result = flotilla::node::run(job, args.node.clone(), move |node| async move {
         if !node.embedded {
@@ -226,7 +233,8 @@ fn main() -> anyhow::Result<()> {
             return;
         }
         let out = format!("FLOTILLA_relay_{}", output.name());
-        for _ in 0..600 {
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while Instant::now() < deadline {
             let done = node.broker.stream_state(&out).await.map(|s| s.messages).unwrap_or(0);
             let dead = node.broker.stream_state("FLOTILLA_relay_DLQ").await.map(|s| s.messages).unwrap_or(0);
             if done + dead >= demo_count {

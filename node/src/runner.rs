@@ -16,19 +16,19 @@ use tracing::{info, warn};
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct NodeArgs {
     /// NATS server URL(s), comma-separated; without it the embedded broker is used.
-    #[arg(long, env = "FLOTILLA_NATS")]
+    #[arg(long, env = "FLOTILLA_NATS", global = true)]
     pub nats: Option<String>,
     /// This node's id (default: host name and process id).
-    #[arg(long, env = "FLOTILLA_NODE_ID")]
+    #[arg(long, env = "FLOTILLA_NODE_ID", global = true)]
     pub node_id: Option<String>,
     /// Run id for drain markers (default: a new one per start).
-    #[arg(long, env = "FLOTILLA_RUN_ID")]
+    #[arg(long, env = "FLOTILLA_RUN_ID", global = true)]
     pub run_id: Option<String>,
     /// Log filter (tracing env-filter syntax, e.g. `info,flotilla_actors=debug`).
-    #[arg(long, env = "FLOTILLA_LOG", default_value = "info")]
+    #[arg(long, env = "FLOTILLA_LOG", default_value = "info", global = true)]
     pub log: String,
     /// Log as JSON lines.
-    #[arg(long, env = "FLOTILLA_LOG_JSON")]
+    #[arg(long, env = "FLOTILLA_LOG_JSON", global = true)]
     pub log_json: bool,
 }
 

@@ -36,7 +36,7 @@ fn relay_refuses_bad_flags_saying_what_to_fix() {
     let (ok, _, err) = run("relay", &["--partitions", "0"]);
     assert!(!ok);
     assert!(err.contains("--partitions"), "{err}");
-    let (ok, _, err) = run("relay", &["publish", "--count", "3"]);
+    let (ok, _, err) = run("relay", &["publish", "--count", "3", "--log", "warn"]);
     assert!(!ok);
     assert!(err.contains("publish needs --nats"), "{err}");
     let (ok, _, err) = run("relay", &["--nats", "nats://127.0.0.1:1"]);

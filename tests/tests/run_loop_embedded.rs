@@ -630,3 +630,40 @@ async fn an_unavailable_broker_is_reported_backed_off_from_and_resumed() {
     job.stop();
     job.wait().await.expect("stop");
 }
+
+#[actix_rt::test]
+async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let config =
+        flotilla_actors::container::ContainerConfig { sweep_interval: Duration::from_secs(5), ..Default::default() };
+    let job = || {
+        Job::new("t")
+            .task(JOBS, |_| Relay::<true>)
+            .max_attempts(2)
+            .ack_wait(Duration::from_secs(1))
+            .container_config(config.clone())
+    };
+    // Provision as the job would (max deliveries = attempts + 1 = 3), then play three
+    // nodes that each die holding the message: it is stranded in the work queue.
+    job().provision(b.clone()).await.expect("provision");
+    publish(&b, "jobs", false, 42, "ok").await;
+    for _ in 0..3 {
+        let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
+        assert_eq!(got.len(), 1);
+    }
+    assert!(
+        b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(3)).await.expect("claim").is_empty(),
+        "stranded"
+    );
+    assert_eq!(b.stream_state("FLOTILLA_t_jobs").await.expect("stream").messages, 1, "still in the stream, invisible");
+    let running = job().start(b.clone()).await.expect("start");
+    wait_for(&b, "FLOTILLA_t_DLQ", 1).await;
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq[0].1.id, 42);
+    assert_eq!(dlq[0].2.get(headers::DLQ_REASON), Some("max-deliveries"));
+    assert_eq!(dlq[0].2.msg_id(), Some("dlq-FLOTILLA_t_jobs-1"));
+    assert_eq!(b.stream_state("FLOTILLA_t_jobs").await.expect("stream").messages, 0, "removed from the queue");
+    running.stop();
+    running.wait().await.expect("stop");
+}
