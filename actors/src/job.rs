@@ -21,7 +21,7 @@ use crate::retry::RetryPolicy;
 use crate::stream::{StreamDef, StreamKind};
 use crate::task::{Task, TaskEnv};
 use crate::task_worker::{Binding, TaskWorker};
-use crate::timer_service::TimerService;
+use crate::timer_service::{Promotion, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use flotilla_transport::topology;
@@ -285,6 +285,10 @@ impl Job {
         self.validate()?;
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
         broker.ensure_stream(topology::dlq_stream(&subjects)).await?;
+        let timers = topology::timer_stream(&subjects);
+        let timers_name = timers.name.clone();
+        broker.ensure_stream(timers).await?;
+        broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;
             let spec = match kind {
@@ -356,7 +360,12 @@ impl Job {
                 }
             }
         }
-        let timers = TimerService::default().start();
+        let timers = TimerService::with_promotion(Promotion {
+            broker: broker.clone(),
+            js_stream: subjects.timer_stream_name(),
+            consumer: topology::timer_consumer().name,
+        })
+        .start();
         let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
         let (tx, rx) = oneshot::channel();
         let container = Container::new(broker, subjects, self.container, slots, timers, reaper, tx).start();

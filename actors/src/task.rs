@@ -243,8 +243,42 @@ impl Outputs {
         key: &str,
         value: impl std::borrow::Borrow<T>,
     ) -> Result<(), TaskError> {
+        let msg = self.build(stream, key, value.borrow()).await?;
+        self.queue(msg).await
+    }
+
+    /// Like [`send`](Self::send), but the message reaches `stream` only after `delay`.
+    /// It is durable: it waits in the job's timer stream and survives node and broker
+    /// restarts; the timer service of any node publishes it when due (with the id it
+    /// would have had, so a redelivered input's delayed outputs are deduplicated too).
+    ///
+    /// # Errors
+    /// As [`send`](Self::send).
+    pub async fn send_after<T: Serialize>(
+        &self,
+        stream: &StreamDef<T>,
+        key: &str,
+        value: impl std::borrow::Borrow<T>,
+        delay: Duration,
+    ) -> Result<(), TaskError> {
+        let msg = self.build(stream, key, value.borrow()).await?;
+        let id = msg.headers.msg_id().unwrap_or_default().to_owned();
+        let mut timer = OutboundMessage::new(self.env.subjects.timer(&id), msg.payload);
+        timer.headers = msg.headers;
+        timer.headers.insert(headers::MSG_ID, format!("timer-{id}"));
+        timer.headers.insert(headers::DELAY, delay.as_millis().to_string());
+        timer.headers.insert(headers::TARGET, msg.subject);
+        self.queue(timer).await
+    }
+
+    async fn build<T: Serialize>(
+        &self,
+        stream: &StreamDef<T>,
+        key: &str,
+        value: &T,
+    ) -> Result<OutboundMessage, TaskError> {
         let name = self.env.ensure_output(stream).await?;
-        let payload = self.env.codec.encode(value.borrow()).map_err(|e| TaskError::failed(e.to_string()))?;
+        let payload = self.env.codec.encode(value).map_err(|e| TaskError::failed(e.to_string()))?;
         let subject = match stream.kind() {
             StreamKind::Ordered { partitions } => {
                 self.env.subjects.ordered_partition(&name, partition_for(key, partitions))
@@ -269,6 +303,10 @@ impl Outputs {
         if let Some(tp) = &self.traceparent {
             msg.headers.insert(headers::TRACEPARENT, tp.clone());
         }
+        Ok(msg)
+    }
+
+    async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
         let pending =
             self.env.broker.publish_pipelined(msg).await.map_err(|e: BrokerError| TaskError::failed(e.to_string()))?;
         self.pending.borrow_mut().push(pending);
@@ -360,6 +398,20 @@ impl TaskContext {
         self.outputs.send(stream, key, value).await
     }
 
+    /// Sends an output that arrives after `delay`, durably; see [`Outputs::send_after`].
+    ///
+    /// # Errors
+    /// As [`Outputs::send`].
+    pub async fn send_after<T: Serialize>(
+        &mut self,
+        stream: &StreamDef<T>,
+        key: &str,
+        value: impl std::borrow::Borrow<T>,
+        delay: Duration,
+    ) -> Result<(), TaskError> {
+        self.outputs.send_after(stream, key, value, delay).await
+    }
+
     /// A handle that sends outputs of this message from a deferred future.
     pub fn outputs(&self) -> Outputs {
         self.outputs.clone()
@@ -381,8 +433,9 @@ impl TaskContext {
         self.requests.shutdown = Some(scope);
     }
 
-    /// Calls this task's `timer` hook with `name` after `after` (in memory: a timer does
-    /// not survive the node).
+    /// Calls this task's `timer` hook with `name` after `after`. In memory: such a timer
+    /// does not survive the node; for work that must happen later whatever happens, use
+    /// [`send_after`](Self::send_after).
     pub fn schedule(&mut self, name: impl Into<String>, after: Duration) {
         self.timers.push((name.into(), after));
     }

@@ -394,6 +394,10 @@ impl Task for Probe {
             b if b.starts_with("sleep:") => {
                 tokio::time::sleep(Duration::from_millis(b[6..].parse().unwrap_or(0))).await;
             }
+            b if b.starts_with("delay:") => {
+                let secs: u64 = b[6..].parse().map_err(|_| TaskError::failed("bad delay"))?;
+                return ctx.send_after(&PROBED, &r.id.to_string(), &r, Duration::from_secs(secs)).await;
+            }
             _ => {}
         }
         ctx.send(&PROBED, &r.id.to_string(), &r).await
@@ -666,4 +670,32 @@ async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
     assert_eq!(b.stream_state("FLOTILLA_t_jobs").await.expect("stream").messages, 0, "removed from the queue");
     running.stop();
     running.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn a_delayed_output_arrives_when_due_and_survives_a_restart() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let hooks: Rc<RefCell<Vec<String>>> = Rc::default();
+    let job = probe_job(&hooks).start(b.clone()).await.expect("start");
+    let started = tokio::time::Instant::now();
+    publish_two(&b, 0, 5, "delay:3600", None).await;
+    tokio::time::sleep(Duration::from_secs(1800)).await;
+    assert_eq!(b.stream_state("FLOTILLA_t_probed").await.expect("out").messages, 0, "not due yet");
+    // The node goes away; the delayed message waits in the timer stream.
+    job.stop();
+    job.wait().await.expect("stop");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let job = probe_job(&hooks).start(b.clone()).await.expect("restart");
+    tokio::time::sleep(Duration::from_secs(1730)).await;
+    assert_eq!(b.stream_state("FLOTILLA_t_probed").await.expect("out").messages, 0, "still not due at 59:50");
+    wait_for(&b, "FLOTILLA_t_probed", 1).await;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(3600) && took < Duration::from_secs(3610), "arrived after {took:?}");
+    let out = read_all(&b, "FLOTILLA_t_probed", None).await;
+    assert_eq!(out[0].1.id, 5);
+    assert_eq!(out[0].2.get(headers::CAUSE), Some("two-0-5-delay:3600"), "it keeps its cause and id");
+    assert_eq!(b.stream_state("FLOTILLA_t_TIMERS").await.expect("timers").messages, 0, "promoted and removed");
+    job.stop();
+    job.wait().await.expect("stop");
 }

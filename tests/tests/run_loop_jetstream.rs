@@ -37,6 +37,11 @@ impl Task for Forward {
         if let Some(ms) = r.body.strip_prefix("sleep:") {
             tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(0))).await;
         }
+        if let Some(ms) = r.body.strip_prefix("delay:") {
+            return ctx
+                .send_after(&self.out, &r.id.to_string(), &r, Duration::from_millis(ms.parse().unwrap_or(0)))
+                .await;
+        }
         ctx.send(&self.out, &r.id.to_string(), &r).await
     }
 }
@@ -282,4 +287,27 @@ async fn nats_server_killed_and_restarted_under_load_loses_nothing() {
     assert_eq!(ids, (0..1500).collect::<BTreeSet<u64>>(), "every record made it through the restart");
     job.stop();
     job.wait().await.expect("clean stop");
+}
+
+#[actix_rt::test]
+async fn a_delayed_output_survives_the_node_that_sent_it() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    const IN: StreamDef<Record> = StreamDef::ordered("in", 2);
+    const OUT: StreamDef<Record> = StreamDef::ordered("out", 2);
+    let node = || Job::new("t").task(IN, |_| Forward { out: OUT }).output(OUT);
+    let job = node().start(b.clone()).await.expect("start");
+    let sent = Instant::now();
+    publish(&b, format!("flotilla.t.in.{}", partition_for("1", 2)), 1, "delay:3000").await;
+    wait_count(&b, "FLOTILLA_t_TIMERS", 1, Duration::from_secs(10)).await;
+    job.stop();
+    job.wait().await.expect("stop");
+    assert_eq!(count(&b, "FLOTILLA_t_out").await, 0, "not due while the node is gone");
+    let job = node().start(b.clone()).await.expect("restart");
+    wait_count(&b, "FLOTILLA_t_out", 1, Duration::from_secs(20)).await;
+    let took = sent.elapsed();
+    assert!(took >= Duration::from_millis(2900), "arrived early: {took:?}");
+    assert_eq!(count(&b, "FLOTILLA_t_TIMERS").await, 0);
+    job.stop();
+    job.wait().await.expect("stop");
 }

@@ -5,26 +5,111 @@
 //! time with actix/tokio timers, so a test that pauses tokio's clock
 //! (`tokio::time::pause()`) runs a ten-minute schedule in milliseconds.
 //!
+//! It also promotes durable delayed messages (`send_after`): they wait in the job's
+//! timer stream; each is nak'd with the time it still has to wait (nak delays survive
+//! broker restarts, and work on 2.9 servers), and published to its target when due,
+//! then acknowledged. Every node's timer service competes on the timer stream's
+//! consumer, so a delayed message is promoted by whichever node is alive.
+//!
 //! Supervision: started by the job runner next to the container, on the same arbiter;
-//! it holds no state worth restarting for. A periodic timer ends by itself when its
-//! target has stopped.
+//! it holds no state worth restarting for (delayed messages live in the broker). A
+//! periodic timer ends by itself when its target has stopped.
 
 mod messages;
 
 pub use messages::{After, Cancel, Every, Tick, TimerId};
 
 use actix::prelude::*;
+use flotilla_transport::broker::{AckKind, BrokerResult, Delivery, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::headers;
 use std::collections::HashMap;
+use std::time::Duration;
+use tracing::{debug, warn};
+
+/// Where delayed messages wait.
+#[derive(Debug, Clone)]
+pub struct Promotion {
+    /// The broker.
+    pub broker: SharedBroker,
+    /// The job's timer stream (`FLOTILLA_<job>_TIMERS`).
+    pub js_stream: String,
+    /// Its consumer.
+    pub consumer: String,
+}
 
 /// The timer actor.
 #[derive(Debug, Default)]
 pub struct TimerService {
     next: u64,
     handles: HashMap<u64, SpawnHandle>,
+    promotion: Option<Promotion>,
+}
+
+impl TimerService {
+    /// A timer service that also promotes due delayed messages.
+    pub fn with_promotion(promotion: Promotion) -> Self {
+        Self { promotion: Some(promotion), ..Self::default() }
+    }
+
+    fn promote(&mut self, ctx: &mut Context<Self>) {
+        let Some(p) = self.promotion.clone() else { return };
+        let fut = async move {
+            let batch = p.broker.claim(&p.js_stream, &p.consumer, 256, Duration::from_secs(1)).await?;
+            for d in batch {
+                promote_one(&p.broker, d).await;
+            }
+            BrokerResult::Ok(())
+        };
+        ctx.spawn(fut.into_actor(self).map(|result, act, ctx| match result {
+            Ok(()) => act.promote(ctx),
+            Err(e) => {
+                debug!(error = %e, "delayed messages: claim failed; retrying in 1 s");
+                ctx.run_later(Duration::from_secs(1), |act, ctx| act.promote(ctx));
+            }
+        }));
+    }
+}
+
+/// Publishes one delayed message if it is due, else waits it out with a nak delay.
+async fn promote_one(broker: &SharedBroker, d: Delivery) {
+    let (Some(delay), Some(target)) =
+        (d.headers.get(headers::DELAY).and_then(|v| v.parse::<u64>().ok()), d.headers.get(headers::TARGET))
+    else {
+        warn!(subject = %d.subject, "delayed message without a valid Flotilla-Delay / Flotilla-Target; dropped");
+        let _ = broker.ack(&d.token, AckKind::Term).await;
+        return;
+    };
+    let due = d.info.published + Duration::from_millis(delay);
+    if let Ok(wait) = due.duration_since(broker.system_now())
+        && !wait.is_zero()
+    {
+        let _ = broker.ack(&d.token, AckKind::Nak(Some(wait))).await;
+        return;
+    }
+    let mut out = OutboundMessage::new(target.to_owned(), d.payload.clone());
+    out.headers = d.headers.clone();
+    out.headers.remove(headers::DELAY);
+    out.headers.remove(headers::TARGET);
+    if let Some(id) = d.headers.msg_id().and_then(|id| id.strip_prefix("timer-")) {
+        out.headers.insert(headers::MSG_ID, id.to_owned());
+    }
+    match broker.publish(out).await {
+        Ok(_) => {
+            let _ = broker.ack(&d.token, AckKind::Ack).await;
+        }
+        Err(e) => {
+            warn!(error = %e, target, "delayed message not published; retrying in 1 s");
+            let _ = broker.ack(&d.token, AckKind::Nak(Some(Duration::from_secs(1)))).await;
+        }
+    }
 }
 
 impl Actor for TimerService {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.promote(ctx);
+    }
 }
 
 impl TimerService {

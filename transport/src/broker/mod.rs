@@ -56,6 +56,11 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// What the broker is: its kind, server version and the features it supports.
     fn server(&self) -> ServerInfo;
 
+    /// Wall-clock time as the broker stamps messages (`Delivery::info.published`).
+    /// Due times of delayed messages are compared against it; the embedded broker
+    /// follows its (possibly paused) clock.
+    fn system_now(&self) -> std::time::SystemTime;
+
     /// Connection events (connected, disconnected, slow consumer, …). Each call gives a
     /// new receiver that sees events from now on.
     fn events(&self) -> broadcast::Receiver<ConnectionEvent>;

@@ -221,6 +221,10 @@ impl Broker for EmbeddedBroker {
         self.inner.events.subscribe()
     }
 
+    fn system_now(&self) -> std::time::SystemTime {
+        self.inner.clock.system_now()
+    }
+
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<BrokerResult<StreamState>> {
         let mut st = self.inner.lock();
         if let Some(existing) = st.streams.get(&spec.name) {

@@ -616,6 +616,10 @@ impl Broker for JetStreamBroker {
         self.inner.events.subscribe()
     }
 
+    fn system_now(&self) -> SystemTime {
+        SystemTime::now()
+    }
+
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<BrokerResult<StreamState>> {
         let inner = self.inner.clone();
         Box::pin(async move { inner.ensure_stream(spec).await })

@@ -21,6 +21,12 @@ pub const TRACEPARENT: &str = "traceparent";
 /// Wire-format version of the payload, decimal; absent means version 1.
 pub const WIRE: &str = "Flotilla-Wire";
 
+/// A delayed message's delay in milliseconds, counted from when the timer stream
+/// stored it (timer stream only).
+pub const DELAY: &str = "Flotilla-Delay";
+/// The subject a delayed message is published to when due (timer stream only).
+pub const TARGET: &str = "Flotilla-Target";
+
 /// Why a message was dead-lettered: a short code (`malformed`, `too-large`,
 /// `type-mismatch`, `unsupported-version`, `max-attempts`, `max-deliveries`, `handler`).
 pub const DLQ_REASON: &str = "Flotilla-Dlq-Reason";
