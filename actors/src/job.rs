@@ -394,6 +394,7 @@ fn slot(
         capacity: capacity.max(1),
         policy: t.config.failure_policy,
         sweep: matches!(t.kind, StreamKind::Queue),
+        takeover: None,
         spawn: Box::new(move |sc| {
             starter(env.clone(), Binding { slot: sc.slot, ..binding.clone() }, config.clone(), sc)
         }),

@@ -38,7 +38,7 @@ impl RetryPolicy {
         let capped = base.min(self.max_backoff.as_secs_f64());
         let jitter = self.jitter.clamp(0.0, 1.0);
         let factor = if jitter > 0.0 { rand::rng().random_range(1.0 - jitter..=1.0 + jitter) } else { 1.0 };
-        Duration::from_secs_f64((capped * factor).max(0.0))
+        Duration::try_from_secs_f64((capped * factor).max(0.0)).unwrap_or(self.max_backoff)
     }
 
     /// Whether attempt number `attempt` was the last one allowed.
@@ -64,6 +64,8 @@ mod tests {
             assert!(d >= Duration::from_millis(160) && d <= Duration::from_millis(240), "{d:?}");
         }
         assert!(!j.exhausted(2));
+        let huge = RetryPolicy { initial_backoff: Duration::MAX, max_backoff: Duration::MAX, ..RetryPolicy::default() };
+        assert!(huge.backoff(3) > Duration::from_secs(1), "no overflow panic");
         assert!(j.exhausted(3));
     }
 }

@@ -216,7 +216,10 @@ impl<M> TaskState<M> {
         // has been started; their positions complete at once.
         while let Some(head) = self.pending.front() {
             match &head.kind {
-                EnvelopeKind::Data if self.drained(head.input) => {
+                // After an input's current drain marker (or its end), everything on it
+                // is held: data and markers alike. A consumed marker would complete
+                // its position and let the commit jump over what is held.
+                _ if self.drained(head.input) || !self.open_inputs.contains(&head.input) => {
                     if let Some(p) = self.pending.pop_front() {
                         self.held.push(p);
                     }
@@ -254,7 +257,11 @@ impl<M> TaskState<M> {
         let op_in_flight = self.window_in_flight || self.commit_in_flight || self.timer_in_flight;
         if self.need_commit {
             (self.in_flight == 0 || self.async_commit) && !op_in_flight
-        } else if self.need_window || self.need_timer || self.end_of_stream || self.should_drain {
+        } else if self.end_of_stream || self.should_drain {
+            // Everything before the markers must be processed and stored, not only
+            // returned from `process`.
+            self.in_flight == 0 && self.input_of.is_empty() && !op_in_flight
+        } else if self.need_window || self.need_timer {
             self.in_flight == 0 && !op_in_flight
         } else {
             self.in_flight < self.max_concurrency
@@ -318,6 +325,16 @@ impl<M> TaskState<M> {
             *done = true;
         }
         self.advance_committable(input).map(|pos| (input, pos))
+    }
+
+    /// A retry of a started envelope begins now (its callback timeout restarts).
+    pub fn attempt_started(&mut self, order: u64, now: Instant) {
+        self.started_at.insert(order, now);
+    }
+
+    /// A started envelope waits (for example a retry backoff): no callback runs for it.
+    pub fn attempt_paused(&mut self, order: u64) {
+        self.started_at.remove(&order);
     }
 
     /// A process that finished must run again (its outputs were not stored): it counts
@@ -629,6 +646,29 @@ mod tests {
         assert_eq!(s.take_unstarted().iter().map(|p| p.msg).collect::<Vec<_>>(), ["x0 after marker"]);
         assert_eq!(s.committable_for(0), Some(0), "x0 (order 1) is never committed: input 0 stops at m0");
         assert_eq!(s.committable_for(1), Some(3), "input 1 commits through its marker");
+    }
+
+    #[test]
+    fn markers_after_a_drained_input_are_held_too() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-1".into() }, "m1");
+        s.insert(0, EnvelopeKind::Data, "d2");
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-1".into() }, "m2 (a second drain request)");
+        assert!(matches!(s.next_op(now()), Op::Drain));
+        assert_eq!(s.committable_for(0), Some(0), "the commit stops at the first marker, before held d2");
+        assert_eq!(s.take_unstarted().len(), 2, "d2 and the later marker are handed back");
+    }
+
+    #[test]
+    fn drain_waits_for_outputs_to_be_stored() {
+        let mut s = task(1, false);
+        s.insert(0, EnvelopeKind::Data, "a");
+        s.insert(0, EnvelopeKind::Drain { run_id: "run-1".into() }, "m");
+        let a = expect_process(&mut s);
+        s.process_done(a.order);
+        assert!(matches!(s.next_op(now()), Op::NoOp), "a's outputs are not stored yet");
+        s.effects_done(a.order);
+        assert!(matches!(s.next_op(now()), Op::Drain));
     }
 
     #[test]

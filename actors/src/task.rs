@@ -39,7 +39,7 @@
 
 use crate::state::ShutdownScope;
 use crate::stream::{StreamDef, StreamKind};
-use flotilla_transport::broker::{BrokerError, OutboundMessage, PendingPublish, SharedBroker};
+use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::topology;
 use flotilla_transport::wire::{Codec, Headers, MessageId, StreamName, Subjects, headers, partition_for};
@@ -61,6 +61,9 @@ pub enum TaskError {
     Failed(String),
     /// The task cannot go on: fail the container or restart the task, by policy.
     Fatal(String),
+    /// Something the message needs is unreachable right now (the broker, a database):
+    /// retry after a back-off without counting an attempt.
+    Unavailable(String),
 }
 
 impl TaskError {
@@ -74,10 +77,15 @@ impl TaskError {
         TaskError::Fatal(reason.into())
     }
 
+    /// Something is unreachable right now; retried without counting an attempt.
+    pub fn unavailable(reason: impl Into<String>) -> Self {
+        TaskError::Unavailable(reason.into())
+    }
+
     /// The reason text.
     pub fn reason(&self) -> &str {
         match self {
-            TaskError::Failed(r) | TaskError::Fatal(r) => r,
+            TaskError::Failed(r) | TaskError::Fatal(r) | TaskError::Unavailable(r) => r,
         }
     }
 }
@@ -87,6 +95,7 @@ impl std::fmt::Display for TaskError {
         match self {
             TaskError::Failed(r) => write!(f, "failed: {r}"),
             TaskError::Fatal(r) => write!(f, "fatal: {r}"),
+            TaskError::Unavailable(r) => write!(f, "unavailable: {r}"),
         }
     }
 }
@@ -221,18 +230,20 @@ pub struct Outputs {
     traceparent: Option<String>,
     epoch: u64,
     next_index: Rc<Cell<u32>>,
-    pending: Rc<RefCell<Vec<PendingPublish>>>,
+    buffer: Rc<RefCell<Vec<OutboundMessage>>>,
 }
 
 impl std::fmt::Debug for Outputs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Outputs").field("cause", &self.cause).field("pending", &self.pending.borrow().len()).finish()
+        f.debug_struct("Outputs").field("cause", &self.cause).field("buffered", &self.buffer.borrow().len()).finish()
     }
 }
 
 impl Outputs {
-    /// Publishes `value` with `key` to `stream` (partitioned by the key for ordered
-    /// streams). Resolves once the publish is queued; its ack is awaited by the runtime.
+    /// Sends `value` with `key` to `stream` (partitioned by the key for ordered
+    /// streams). Outputs are published once the callback succeeds — a failed attempt
+    /// publishes nothing — in send order, and the input is acknowledged only after
+    /// every output's publish ack.
     ///
     /// # Errors
     /// [`TaskError::Failed`] when the value cannot be encoded or the publish cannot be
@@ -307,14 +318,13 @@ impl Outputs {
     }
 
     async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
-        let pending =
-            self.env.broker.publish_pipelined(msg).await.map_err(|e: BrokerError| TaskError::failed(e.to_string()))?;
-        self.pending.borrow_mut().push(pending);
+        self.buffer.borrow_mut().push(msg);
         Ok(())
     }
 
-    pub(crate) fn take_pending(&self) -> Vec<PendingPublish> {
-        std::mem::take(&mut *self.pending.borrow_mut())
+    /// The outputs of this callback, in send order.
+    pub(crate) fn take_buffer(&self) -> Vec<OutboundMessage> {
+        std::mem::take(&mut *self.buffer.borrow_mut())
     }
 }
 
@@ -355,7 +365,7 @@ impl TaskContext {
                 traceparent,
                 epoch,
                 next_index: Rc::new(Cell::new(0)),
-                pending: Rc::new(RefCell::new(Vec::new())),
+                buffer: Rc::new(RefCell::new(Vec::new())),
             },
             meta,
             partition,

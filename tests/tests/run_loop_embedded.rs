@@ -699,3 +699,51 @@ async fn a_delayed_output_arrives_when_due_and_survives_a_restart() {
     job.stop();
     job.wait().await.expect("stop");
 }
+
+#[actix_rt::test]
+async fn an_outage_while_outputs_are_published_costs_no_attempt_and_no_rerun() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let job = Job::new("t").task(IN, |_| Relay::<false>).max_attempts(2).start(b.clone()).await.expect("start");
+    publish(&b, "in", true, 61, "sleep:1000").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(calls(61), 1, "the handler is running");
+    embedded.set_unavailable(true); // its outputs cannot be stored when it returns
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    embedded.set_unavailable(false);
+    wait_for(&b, "FLOTILLA_t_out", 1).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(calls(61), 1, "the same outputs were published again; the handler did not run again");
+    assert_eq!(
+        b.stream_state("FLOTILLA_t_DLQ").await.expect("dlq").messages,
+        0,
+        "an outage is not the message's fault"
+    );
+    job.stop();
+    job.wait().await.expect("stop");
+}
+
+#[actix_rt::test]
+async fn a_failed_attempt_publishes_nothing() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    struct Partial;
+    impl Task for Partial {
+        type Input = Record;
+        async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+            let attempt = ctx.message().map_or(1, |m| m.attempt);
+            ctx.send(&OUT, &r.id.to_string(), Record { id: r.id, body: format!("attempt {attempt}") }).await?;
+            if attempt < 2 { Err(TaskError::failed("after sending")) } else { Ok(()) }
+        }
+    }
+    let job = Job::new("t").task(IN, |_| Partial).max_attempts(3).start(b.clone()).await.expect("start");
+    publish(&b, "in", true, 1, "x").await;
+    wait_for(&b, "FLOTILLA_t_out", 1).await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let out = read_all(&b, "FLOTILLA_t_out", None).await;
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].1.body, "attempt 2", "the first attempt's output was never published");
+    job.stop();
+    job.wait().await.expect("stop");
+}

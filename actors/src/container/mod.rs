@@ -72,6 +72,9 @@ pub struct SlotSpec {
     pub policy: FailurePolicy,
     /// Whether the reaper sweeps this input for stranded messages (queue inputs).
     pub sweep: bool,
+    /// Ordered inputs: the partition consumer, reset at the committed position before a
+    /// restarted task starts (so it resumes in order, at once).
+    pub takeover: Option<flotilla_transport::broker::ConsumerSpec>,
     /// Starts the worker.
     pub spawn: SpawnWorker,
 }
@@ -95,6 +98,8 @@ struct Slot {
     backoff_until: Option<tokio::time::Instant>,
     /// Restarts since the task last finished a message.
     restarts: u32,
+    /// The worker was told to stop: claim nothing more for it.
+    stopping: bool,
 }
 
 /// Container settings.
@@ -176,6 +181,7 @@ impl Container {
                 failures: 0,
                 backoff_until: None,
                 restarts: 0,
+                stopping: false,
             })
             .collect();
         Self {
@@ -207,6 +213,7 @@ impl Container {
         slot.worker = Some(handle);
         slot.outstanding = 0;
         slot.finished = false;
+        slot.stopping = false;
     }
 
     /// Starts claims for every slot with room.
@@ -217,7 +224,12 @@ impl Container {
         let now = tokio::time::Instant::now();
         for i in 0..self.slots.len() {
             let slot = &mut self.slots[i];
-            if slot.claiming || slot.finished || slot.worker.is_none() || slot.backoff_until.is_some_and(|t| t > now) {
+            if slot.claiming
+                || slot.finished
+                || slot.stopping
+                || slot.worker.is_none()
+                || slot.backoff_until.is_some_and(|t| t > now)
+            {
                 continue;
             }
             let free = slot.spec.capacity.saturating_sub(slot.outstanding);
@@ -253,7 +265,7 @@ impl Container {
                     return;
                 }
                 match &slot.worker {
-                    Some(w) if !slot.finished => {
+                    Some(w) if !slot.finished && !slot.stopping => {
                         slot.outstanding += batch.len();
                         w.deliver.do_send(Deliver(batch));
                     }
@@ -271,7 +283,7 @@ impl Container {
             Err(e) => {
                 slot.failures += 1;
                 let base = Duration::from_millis(100).saturating_mul(1 << slot.failures.min(8));
-                let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.5..1.5));
+                let delay = base.min(Duration::from_secs(5)).mul_f64(rand::rng().random_range(0.5..1.5));
                 slot.backoff_until = Some(tokio::time::Instant::now() + delay);
                 if slot.failures == 1 || slot.failures.is_multiple_of(10) {
                     emit(
@@ -294,8 +306,9 @@ impl Container {
             return;
         }
         self.stopping = true;
-        for slot in &self.slots {
+        for slot in &mut self.slots {
             if let (Some(w), false) = (&slot.worker, slot.finished) {
+                slot.stopping = true;
                 w.stop.do_send(StopWorker);
             }
         }
@@ -416,8 +429,10 @@ impl Handler<WorkerReport> for Container {
                     info!(?scope, "tasks asked to shut down the container");
                     self.stop_all(ctx);
                 } else if scope == ShutdownScope::CurrentTask
-                    && let Some(w) = self.slots.get(slot).and_then(|s| s.worker.as_ref())
+                    && let Some(s) = self.slots.get_mut(slot)
+                    && let Some(w) = s.worker.as_ref()
                 {
+                    s.stopping = true;
                     w.stop.do_send(StopWorker);
                 }
             }
@@ -482,7 +497,25 @@ impl Handler<Tick> for Container {
         match tick {
             Tick::Resume => {}
             Tick::Restart(slot) if !self.stopping && self.slots.get(slot).is_some_and(|s| s.worker.is_none()) => {
-                self.spawn_worker(slot, ctx);
+                let s = &self.slots[slot];
+                match s.spec.takeover.clone() {
+                    None => self.spawn_worker(slot, ctx),
+                    Some(spec) => {
+                        let broker = self.broker.clone();
+                        let js = s.spec.js_stream.clone();
+                        let fut =
+                            async move { flotilla_transport::topology::take_over_partition(&broker, &js, spec).await };
+                        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+                            if let Err(e) = result {
+                                warn!(error = %e, "could not reset the partition before restarting its task");
+                            }
+                            if !act.stopping {
+                                act.spawn_worker(slot, ctx);
+                                act.pump(ctx);
+                            }
+                        }));
+                    }
+                }
             }
             Tick::Backlog => self.check_backlog(ctx),
             Tick::Sweep => {

@@ -79,6 +79,27 @@ struct Envelope {
     started: Option<Instant>,
     /// A dead letter that could not be published yet: (reason, detail).
     dead_letter: Option<(&'static str, String)>,
+    /// Retries because something was unavailable (not counted as attempts).
+    unavailable: u32,
+}
+
+/// Outputs waiting to be published, and what they belong to.
+struct Flush {
+    target: FlushTarget,
+    msgs: Vec<flotilla_transport::broker::OutboundMessage>,
+    /// Publishes retried because the broker was unreachable.
+    attempt: u32,
+}
+
+#[derive(Clone, Copy)]
+enum FlushTarget {
+    Message(u64),
+    Hook(&'static str),
+}
+
+/// Back-off while something is unreachable: 200 ms doubling to 30 s.
+fn unavailable_backoff(n: u32) -> Duration {
+    Duration::from_millis(200).saturating_mul(1 << n.saturating_sub(1).min(8)).min(Duration::from_secs(30))
 }
 
 /// A claimed message's acknowledgement handle, kept until it is committed.
@@ -122,6 +143,8 @@ pub struct TaskWorker<T: Task> {
     stopping: bool,
     finished: bool,
     self_recipient: Option<Recipient<Tick>>,
+    publish_queue: VecDeque<Flush>,
+    publishing: bool,
 }
 
 impl<T: Task> std::fmt::Debug for TaskWorker<T> {
@@ -160,6 +183,8 @@ impl<T: Task> TaskWorker<T> {
             stopping: false,
             finished: false,
             self_recipient: None,
+            publish_queue: VecDeque::new(),
+            publishing: false,
         }
     }
 
@@ -194,8 +219,14 @@ impl<T: Task> TaskWorker<T> {
             }
             match self.state.next_op(Instant::now()) {
                 Op::Process(p) => {
-                    let envelope =
-                        Envelope { delivery: p.msg, attempt: 0, counted: true, started: None, dead_letter: None };
+                    let envelope = Envelope {
+                        delivery: p.msg,
+                        attempt: 0,
+                        counted: true,
+                        started: None,
+                        dead_letter: None,
+                        unavailable: 0,
+                    };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     self.inflight.insert(p.order, Envelope { attempt, ..envelope });
                     self.start_attempt(p.order, ctx);
@@ -220,7 +251,12 @@ impl<T: Task> TaskWorker<T> {
             self.dead_letter(order, reason, detail, ctx);
             return;
         }
-        envelope.started = Some(Instant::now());
+        let now = Instant::now();
+        envelope.started = Some(now);
+        if envelope.counted {
+            self.state.attempt_started(order, now);
+        }
+        let Some(envelope) = self.inflight.get(&order) else { return };
         let d = &envelope.delivery;
         let decoded = match d.headers.kind() {
             Some(MessageKind::Data) => {
@@ -272,10 +308,27 @@ impl<T: Task> TaskWorker<T> {
                 }
                 Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
                 Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
+                Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
                 Err(panic) => act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
             }
             act.drive(ctx);
         }));
+    }
+
+    /// Something was unreachable: try the message again after a back-off, in place,
+    /// without counting an attempt.
+    fn retry_unavailable(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
+        let Some(envelope) = self.inflight.get_mut(&order) else { return };
+        envelope.unavailable += 1;
+        envelope.started = None;
+        let delay = unavailable_backoff(envelope.unavailable);
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
+        if !envelope.counted {
+            envelope.counted = true;
+            self.state.restart(order, Instant::now());
+        }
+        self.state.attempt_paused(order);
+        self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
     }
 
     fn after_process(
@@ -300,6 +353,7 @@ impl<T: Task> TaskWorker<T> {
                         }
                         Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
                         Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
+                        Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
                         Err(panic) => {
                             act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx)
                         }
@@ -319,30 +373,89 @@ impl<T: Task> TaskWorker<T> {
         }
     }
 
-    /// Waits for the message's outputs to be stored, then finishes it.
+    /// Publishes the message's outputs; it finishes once they are stored.
     fn await_effects(&mut self, order: u64, outputs: Outputs, ctx: &mut Context<Self>) {
-        let pending = outputs.take_pending();
-        if pending.is_empty() {
-            self.effects_stored(order);
+        let msgs = outputs.take_buffer();
+        self.flush(Flush { target: FlushTarget::Message(order), msgs, attempt: 0 }, ctx);
+    }
+
+    /// Queues outputs for publishing. Batches are sent one after the other, in the order
+    /// their callbacks finished, so outputs keep their order across messages; their
+    /// acks are awaited concurrently (publishes pipeline across messages).
+    fn flush(&mut self, flush: Flush, ctx: &mut Context<Self>) {
+        if flush.msgs.is_empty() {
+            self.flushed(flush.target, ctx);
             return;
         }
-        ctx.spawn(futures::future::join_all(pending).into_actor(self).map(move |results, act, ctx| {
-            match results.into_iter().find_map(Result::err) {
-                None => act.effects_stored(order),
-                Some(err) => {
-                    // Not stored: run the message again (its outputs keep their ids, so
-                    // what was stored is deduplicated).
-                    if let Some(e) = act.inflight.get_mut(&order)
-                        && !e.counted
-                    {
-                        e.counted = true;
-                        act.state.restart(order, Instant::now());
-                    }
-                    act.failed_attempt(order, format!("output not stored: {err}"), ctx);
+        self.publish_queue.push_back(flush);
+        self.pump_publish(ctx);
+    }
+
+    fn pump_publish(&mut self, ctx: &mut Context<Self>) {
+        if self.publishing || self.finished {
+            return;
+        }
+        let Some(flush) = self.publish_queue.pop_front() else { return };
+        self.publishing = true;
+        let broker = self.env.broker.clone();
+        let msgs = flush.msgs.clone();
+        let queued = async move {
+            let mut pending = Vec::with_capacity(msgs.len());
+            for msg in msgs {
+                match broker.publish_pipelined(msg).await {
+                    Ok(p) => pending.push(p),
+                    Err(e) => return (pending, Some(e)),
                 }
             }
-            act.drive(ctx);
+            (pending, None)
+        };
+        ctx.spawn(queued.into_actor(self).map(move |(pending, queue_error), act, ctx| {
+            act.publishing = false;
+            act.pump_publish(ctx);
+            let acks = futures::future::join_all(pending);
+            ctx.spawn(acks.into_actor(act).map(move |results, act, ctx| {
+                match queue_error.or_else(|| results.into_iter().find_map(Result::err)) {
+                    None => act.flushed(flush.target, ctx),
+                    Some(err) => act.flush_failed(flush, err, ctx),
+                }
+                act.drive(ctx);
+            }));
         }));
+    }
+
+    /// Outputs could not be stored. Unreachable broker: publish the same messages (same
+    /// ids, so what was stored is deduplicated) again after a back-off, without counting
+    /// an attempt. Refused: a failed attempt of the message (or a failure of the hook).
+    fn flush_failed(&mut self, mut flush: Flush, err: flotilla_transport::BrokerError, ctx: &mut Context<Self>) {
+        if err.is_transient() {
+            flush.attempt += 1;
+            let delay = unavailable_backoff(flush.attempt);
+            warn!(stream = self.binding.stream, partition = ?self.binding.partition, error = %err, ?delay, "outputs not stored; publishing them again");
+            ctx.run_later(delay, move |act, ctx| {
+                act.publish_queue.push_front(flush);
+                act.pump_publish(ctx);
+            });
+            return;
+        }
+        match flush.target {
+            FlushTarget::Message(order) => {
+                if let Some(e) = self.inflight.get_mut(&order)
+                    && !e.counted
+                {
+                    e.counted = true;
+                    self.state.restart(order, Instant::now());
+                }
+                self.failed_attempt(order, format!("output not stored: {err}"), ctx);
+            }
+            FlushTarget::Hook(label) => self.fail(format!("{label}: output not stored: {err}"), ctx),
+        }
+    }
+
+    fn flushed(&mut self, target: FlushTarget, ctx: &mut Context<Self>) {
+        match target {
+            FlushTarget::Message(order) => self.effects_stored(order),
+            FlushTarget::Hook(label) => self.hook_done(label, ctx),
+        }
     }
 
     /// The message is processed and its outputs are stored.
@@ -384,6 +497,8 @@ impl<T: Task> TaskWorker<T> {
         debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, attempt, ?delay, %reason, "attempt failed; retrying");
         if self.binding.ordered() {
             envelope.attempt += 1;
+            envelope.started = None;
+            self.state.attempt_paused(order);
             self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
         } else {
             let token = envelope.delivery.token.clone();
@@ -490,23 +605,30 @@ impl<T: Task> TaskWorker<T> {
             })
             .catch_unwind()
             .await;
-            let pending = tctx.outputs_handle().take_pending();
-            let stored = futures::future::join_all(pending).await.into_iter().find_map(Result::err);
-            (task, tctx, result, stored)
+            (task, tctx, result)
         };
-        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result, stored), act, ctx| {
+        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
             act.task = Some(task);
             act.apply_requests(&mut tctx);
-            let result = match (result, stored) {
-                (Ok(Ok(())), None) => Ok(()),
-                (Ok(Ok(())), Some(e)) => Err(format!("{label}: output not stored: {e}")),
-                (Ok(Err(e)), _) => Err(format!("{label}: {e}")),
-                (Err(panic), _) => Err(format!("{label} panicked: {}", panic_text(&panic))),
+            let result = match result {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("{label}: {e}")),
+                Err(panic) => Err(format!("{label} panicked: {}", panic_text(&panic))),
             };
             if let Err(reason) = result {
                 act.fail(reason, ctx);
                 return;
             }
+            let msgs = tctx.outputs_handle().take_buffer();
+            act.flush(Flush { target: FlushTarget::Hook(label), msgs, attempt: 0 }, ctx);
+            act.drive(ctx);
+        }));
+    }
+
+    /// A hook ran and its outputs are stored.
+    fn hook_done(&mut self, label: &'static str, ctx: &mut Context<Self>) {
+        {
+            let act = self;
             match label {
                 "window" => act.state.window_done(),
                 "timer" => act.state.timer_done(),
@@ -530,7 +652,7 @@ impl<T: Task> TaskWorker<T> {
                 _ => {}
             }
             act.drive(ctx);
-        }));
+        }
     }
 
     /// Acknowledges everything up to the committable positions.
@@ -568,6 +690,10 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "task failed");
+        // Keep what is done: commit the completed prefix before handing the rest back.
+        if self.state.uncommitted() {
+            self.commit_positions();
+        }
         self.state.fail(reason.clone());
         emit(
             &self.env.broker,
@@ -585,10 +711,15 @@ impl<T: Task> TaskWorker<T> {
     /// Naks (without delay) what was claimed and never started — for example what
     /// followed a drain marker — so the next run gets it at once.
     fn hand_back_unstarted(&mut self) {
-        for p in self.state.take_unstarted() {
+        let unstarted = self.state.take_unstarted();
+        let count = unstarted.len();
+        for p in unstarted {
             self.claimed.remove(&p.order);
             self.known.remove(&p.msg.info.stream_seq);
             self.ack(&p.msg.token, AckKind::Nak(None));
+        }
+        if count > 0 {
+            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
         }
     }
 

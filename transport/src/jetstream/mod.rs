@@ -787,6 +787,12 @@ impl Broker for JetStreamBroker {
                     }
                 }
             }
+            if out.is_empty() {
+                // The server can answer at once with nothing (e.g. `408 Requests
+                // Pending` when other pullers' requests cover the backlog): wait out the
+                // window, so a caller that claims again does not spin.
+                tokio::time::sleep_until(started + max_wait).await;
+            }
             Ok(out)
         })
     }
