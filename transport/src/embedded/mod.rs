@@ -32,6 +32,7 @@ use state::{Advisory, State, Stream, Subscription};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 /// The in-process broker. Clone it to give several nodes the same broker.
@@ -166,6 +167,18 @@ impl Inner {
         }
     }
 
+    /// Runs `f` on the (expired-through-now) stream behind a KV bucket.
+    fn with_bucket<R>(&self, bucket: &str, f: impl FnOnce(&mut Stream, Instant) -> R) -> BrokerResult<R> {
+        let mut st = self.lock();
+        let now = self.clock.now();
+        let s = st
+            .streams
+            .get_mut(&format!("KV_{bucket}"))
+            .ok_or_else(|| BrokerError::BucketNotFound { bucket: bucket.into() })?;
+        s.expire(now);
+        Ok(f(s, now))
+    }
+
     fn kv_write(
         &self,
         bucket: &str,
@@ -176,29 +189,18 @@ impl Inner {
     ) -> BrokerResult<u64> {
         self.check("KV write")?;
         compare::validate_key(key)?;
-        let stream = format!("KV_{bucket}");
-        let subject = format!("$KV.{bucket}.{key}");
-        let mut st = self.lock();
-        let s = st.streams.get_mut(&stream).ok_or_else(|| BrokerError::BucketNotFound { bucket: bucket.into() })?;
-        let now = self.clock.now();
-        s.expire(now);
-        let mut msg = OutboundMessage::new(subject, value);
+        let mut msg = OutboundMessage::new(format!("$KV.{bucket}.{key}"), value);
         msg.headers = State::kv_headers(op);
         msg.expected_last_subject_seq = expect;
-        let ack = s.store(msg, now, self.clock.system_now())?;
-        Ok(ack.seq)
+        let system_now = self.clock.system_now();
+        self.with_bucket(bucket, |s, now| s.store(msg, now, system_now))?.map(|ack| ack.seq)
     }
 
     fn kv_current(&self, bucket: &str, key: &str) -> BrokerResult<Option<KvEntry>> {
         self.check("KV read")?;
         compare::validate_key(key)?;
-        let mut st = self.lock();
-        let s = st
-            .streams
-            .get_mut(&format!("KV_{bucket}"))
-            .ok_or_else(|| BrokerError::BucketNotFound { bucket: bucket.into() })?;
-        s.expire(self.clock.now());
-        Ok(s.last_for_subject(&format!("$KV.{bucket}.{key}")).and_then(|seq| s.kv_entry(seq)))
+        let subject = format!("$KV.{bucket}.{key}");
+        self.with_bucket(bucket, |s, _| s.last_for_subject(&subject).and_then(|seq| s.kv_entry(seq)))
     }
 }
 
@@ -453,24 +455,17 @@ impl Broker for EmbeddedBroker {
     }
 
     fn kv_keys(&self, bucket: &str) -> BoxFuture<BrokerResult<Vec<String>>> {
-        let mut st = self.inner.lock();
-        let now = self.inner.clock.now();
-        let result = st
-            .streams
-            .get_mut(&format!("KV_{bucket}"))
-            .ok_or_else(|| BrokerError::BucketNotFound { bucket: bucket.into() })
-            .map(|s| {
-                s.expire(now);
-                let mut keys: Vec<String> = s
-                    .by_subject
-                    .values()
-                    .filter_map(|seqs| seqs.iter().next_back().and_then(|seq| s.kv_entry(*seq)))
-                    .filter(|e| e.operation == KvOperation::Put)
-                    .map(|e| e.key)
-                    .collect();
-                keys.sort();
-                keys
-            });
+        let result = self.inner.with_bucket(bucket, |s, _| {
+            let mut keys: Vec<String> = s
+                .by_subject
+                .values()
+                .filter_map(|seqs| seqs.iter().next_back().and_then(|seq| s.kv_entry(*seq)))
+                .filter(|e| e.operation == KvOperation::Put)
+                .map(|e| e.key)
+                .collect();
+            keys.sort();
+            keys
+        });
         ready(result)
     }
 
@@ -481,31 +476,24 @@ impl Broker for EmbeddedBroker {
         {
             return ready(Err(e));
         }
-        let mut st = self.inner.lock();
-        let now = self.inner.clock.now();
-        let result = st
-            .streams
-            .get_mut(&format!("KV_{bucket}"))
-            .ok_or_else(|| BrokerError::BucketNotFound { bucket: bucket.into() })
-            .map(|s| {
-                s.expire(now);
-                let pattern = format!("$KV.{bucket}.{key}");
-                let (tx, rx) = mpsc::unbounded_channel();
-                let mut current: Vec<u64> = s
-                    .by_subject
-                    .iter()
-                    .filter(|(subject, _)| compare::subject_matches(&pattern, subject))
-                    .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
-                    .collect();
-                current.sort_unstable();
-                for seq in current {
-                    if let Some(e) = s.kv_entry(seq) {
-                        let _ = tx.send(Ok(e));
-                    }
+        let result = self.inner.with_bucket(bucket, |s, _| {
+            let pattern = format!("$KV.{bucket}.{key}");
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut current: Vec<u64> = s
+                .by_subject
+                .iter()
+                .filter(|(subject, _)| compare::subject_matches(&pattern, subject))
+                .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
+                .collect();
+            current.sort_unstable();
+            for seq in current {
+                if let Some(e) = s.kv_entry(seq) {
+                    let _ = tx.send(Ok(e));
                 }
-                s.kv_watchers.push(state::KvWatcher { pattern, tx });
-                UnboundedReceiverStream::new(rx).boxed()
-            });
+            }
+            s.kv_watchers.push(state::KvWatcher { pattern, tx });
+            UnboundedReceiverStream::new(rx).boxed()
+        });
         ready(result)
     }
 
