@@ -94,7 +94,33 @@ struct Flush {
 #[derive(Clone, Copy)]
 enum FlushTarget {
     Message(u64),
-    Hook(&'static str),
+    Hook(HookKind),
+}
+
+/// Which hook ran, for what happens once its outputs are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HookKind {
+    Init,
+    Window,
+    Commit,
+    Timers,
+    Drain,
+    EndOfStream,
+    Shutdown,
+}
+
+impl HookKind {
+    fn label(self) -> &'static str {
+        match self {
+            HookKind::Init => "init",
+            HookKind::Window => "window",
+            HookKind::Commit => "commit",
+            HookKind::Timers => "timer",
+            HookKind::Drain => "drain",
+            HookKind::EndOfStream => "end_of_stream",
+            HookKind::Shutdown => "shutdown",
+        }
+    }
 }
 
 /// Back-off while something is unreachable: 200 ms doubling to 30 s.
@@ -447,14 +473,14 @@ impl<T: Task> TaskWorker<T> {
                 }
                 self.failed_attempt(order, format!("output not stored: {err}"), ctx);
             }
-            FlushTarget::Hook(label) => self.fail(format!("{label}: output not stored: {err}"), ctx),
+            FlushTarget::Hook(kind) => self.fail(format!("{}: output not stored: {err}", kind.label()), ctx),
         }
     }
 
     fn flushed(&mut self, target: FlushTarget, ctx: &mut Context<Self>) {
         match target {
             FlushTarget::Message(order) => self.effects_stored(order),
-            FlushTarget::Hook(label) => self.hook_done(label, ctx),
+            FlushTarget::Hook(kind) => self.hook_done(kind, ctx),
         }
     }
 
@@ -577,15 +603,16 @@ impl<T: Task> TaskWorker<T> {
     fn run_hook(&mut self, hook: Hook, ctx: &mut Context<Self>) {
         let Some(mut task) = self.task.take() else { return };
         let mut tctx = self.context(None);
-        let label = match &hook {
-            Hook::Init => "init",
-            Hook::Window => "window",
-            Hook::Commit => "commit",
-            Hook::Timers(_) => "timer",
-            Hook::Drain => "drain",
-            Hook::EndOfStream => "end_of_stream",
-            Hook::Shutdown => "shutdown",
+        let kind = match &hook {
+            Hook::Init => HookKind::Init,
+            Hook::Window => HookKind::Window,
+            Hook::Commit => HookKind::Commit,
+            Hook::Timers(_) => HookKind::Timers,
+            Hook::Drain => HookKind::Drain,
+            Hook::EndOfStream => HookKind::EndOfStream,
+            Hook::Shutdown => HookKind::Shutdown,
         };
+        let label = kind.label();
         let fut = async move {
             let result = AssertUnwindSafe(async {
                 match hook {
@@ -620,39 +647,30 @@ impl<T: Task> TaskWorker<T> {
                 return;
             }
             let msgs = tctx.outputs_handle().take_buffer();
-            act.flush(Flush { target: FlushTarget::Hook(label), msgs, attempt: 0 }, ctx);
+            act.flush(Flush { target: FlushTarget::Hook(kind), msgs, attempt: 0 }, ctx);
             act.drive(ctx);
         }));
     }
 
     /// A hook ran and its outputs are stored.
-    fn hook_done(&mut self, label: &'static str, ctx: &mut Context<Self>) {
-        {
-            let act = self;
-            match label {
-                "window" => act.state.window_done(),
-                "timer" => act.state.timer_done(),
-                "commit" => act.commit_positions(),
-                "drain" => {
-                    act.commit_positions();
-                    act.hand_back_unstarted();
-                    act.finish(Outcome::Drained, ctx);
-                    return;
-                }
-                "end_of_stream" => {
-                    act.commit_positions();
-                    act.hand_back_unstarted();
-                    act.finish(Outcome::EndOfStream, ctx);
-                    return;
-                }
-                "shutdown" => {
-                    act.finish(Outcome::Stopped, ctx);
-                    return;
-                }
-                _ => {}
+    fn hook_done(&mut self, kind: HookKind, ctx: &mut Context<Self>) {
+        match kind {
+            HookKind::Init => {}
+            HookKind::Window => self.state.window_done(),
+            HookKind::Timers => self.state.timer_done(),
+            HookKind::Commit => self.commit_positions(),
+            HookKind::Drain | HookKind::EndOfStream => {
+                self.commit_positions();
+                self.hand_back_unstarted();
+                self.finish(if kind == HookKind::Drain { Outcome::Drained } else { Outcome::EndOfStream }, ctx);
+                return;
             }
-            act.drive(ctx);
+            HookKind::Shutdown => {
+                self.finish(Outcome::Stopped, ctx);
+                return;
+            }
         }
+        self.drive(ctx);
     }
 
     /// Acknowledges everything up to the committable positions.
