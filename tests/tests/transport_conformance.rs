@@ -55,6 +55,7 @@ conformance!(
     pipelined_publishes_keep_call_order,
     publish_expectation_is_checked,
     publish_without_stream_is_refused,
+    oversize_publish_is_refused,
     get_and_delete_by_sequence,
     kv_create_race_has_one_winner,
     kv_compare_and_set,
@@ -349,6 +350,20 @@ mod cases {
         let err = b.publish(OutboundMessage::new("nobody.listens", "x")).await.expect_err("no stream");
         assert!(matches!(err, BrokerError::NoStream { .. }), "{err}");
         assert!(err.to_string().contains("nobody.listens"));
+    }
+
+    pub async fn oversize_publish_is_refused(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let limit = b.server().max_payload;
+        let err =
+            b.publish(OutboundMessage::new("q.a", Bytes::from(vec![0u8; limit + 1]))).await.expect_err("too large");
+        assert!(
+            matches!(err, BrokerError::PayloadTooLarge { size, limit: l } if size == limit + 1 && l == limit),
+            "{err}"
+        );
+        assert!(err.to_string().contains("max_payload"), "{err}");
+        assert_eq!(b.stream_state("Q").await.expect("stream").messages, 0);
+        b.publish(OutboundMessage::new("q.a", Bytes::from(vec![0u8; 1024]))).await.expect("a normal one still works");
     }
 
     pub async fn get_and_delete_by_sequence(b: SharedBroker) {

@@ -421,7 +421,7 @@ fn publish_error(
         PublishErrorKind::BrokenPipe => {
             BrokerError::Disconnected { operation: format!("publish to {subject}"), reason: err.to_string() }
         }
-        PublishErrorKind::MaxPayloadExceeded => BrokerError::other(format!("publish to {subject}"), err),
+        PublishErrorKind::MaxPayloadExceeded => BrokerError::PayloadTooLarge { size: 0, limit: 0 },
         _ => BrokerError::other(format!("publish to {subject}"), err),
     }
 }
@@ -538,6 +538,9 @@ impl Inner {
         msg: OutboundMessage,
     ) -> BrokerResult<(String, Option<u64>, jetstream::context::PublishAckFuture)> {
         let OutboundMessage { subject, headers, payload, expected_last_subject_seq } = msg;
+        if payload.len() > self.info.max_payload {
+            return Err(BrokerError::PayloadTooLarge { size: payload.len(), limit: self.info.max_payload });
+        }
         let mut pm = jetstream::message::PublishMessage::build().payload(payload);
         if !headers.is_empty() {
             pm = pm.headers(to_header_map(&headers));
