@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let Streams { input, output } = streams(&args);
     if let Some(Command::Publish { count, poison, start }) = args.command {
-        if args.node.nats.is_none() {
+        if args.node.resolve()?.urls().is_empty() {
             bail!(
                 "publish needs --nats URL: the embedded broker lives inside one process, so records published to it would vanish"
             );
@@ -190,7 +190,7 @@ fn main() -> anyhow::Result<()> {
         }
         let system = actix::System::new();
         return system.block_on(async move {
-            let broker = connect(&args.node.broker(), "relay-publisher").await?;
+            let broker = args.node.connect("relay-publisher").await?;
             // Provision the input the way the job does, so publishing works before any node ran.
             let job = Job::new("relay").task(input, move |_| Relay::<Record> {
                 out: output,

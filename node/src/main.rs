@@ -2,15 +2,14 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use flotilla_node::connect::{BrokerChoice, connect};
+use flotilla_node::NodeArgs;
 use flotilla_transport::broker::Feature;
 
 #[derive(Parser)]
 #[command(name = "flotilla", version, about = "Operate Flotilla jobs on NATS JetStream")]
 struct Cli {
-    /// NATS server URL(s), comma-separated; the embedded broker when absent.
-    #[arg(long, global = true, env = "FLOTILLA_NATS")]
-    nats: Option<String>,
+    #[command(flatten)]
+    node: NodeArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -19,6 +18,8 @@ struct Cli {
 enum Command {
     /// Connect and show the broker's kind, version and the features Flotilla may use.
     Info,
+    /// Show the effective configuration (flags over FLOTILLA_* variables over the file), secrets redacted.
+    Config,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -26,8 +27,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Info => {
-            let choice = BrokerChoice::from_url(cli.nats.as_deref());
-            let broker = connect(&choice, "flotilla-cli").await.context("connecting to the broker")?;
+            let broker = cli.node.connect("flotilla-cli").await.context("connecting to the broker")?;
             let info = broker.server();
             println!("broker:      {:?}", info.kind);
             println!("server:      {} {}", info.name, info.version);
@@ -36,6 +36,10 @@ async fn main() -> anyhow::Result<()> {
                 let state = if info.supports(f) { "yes" } else { "no" };
                 println!("  {:<24} {state:<4} (nats-server {}+)", f.name(), f.min_version());
             }
+        }
+        Command::Config => {
+            let config = cli.node.resolve()?;
+            print!("{}", config.to_toml_redacted());
         }
     }
     Ok(())

@@ -6,15 +6,23 @@
 //! SIGTERM or SIGINT stops the job gracefully (in-flight work finishes, unstarted work
 //! is handed back, positions are committed); a second one exits at once.
 
+use crate::config::{ConfigError, ConnectConfig, NodeConfig, Urls};
 use crate::connect::{BrokerChoice, connect};
 use flotilla_actors::{Job, JobError, JobStopper};
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use std::future::Future;
+use std::path::PathBuf;
 use tracing::{info, warn};
 
-/// Flags every Flotilla node takes (flatten them into a job binary's own flags).
+/// Flags every Flotilla node takes (flatten them into a job binary's own flags). Each
+/// has a `FLOTILLA_*` environment variable, and all of them can come from a TOML file
+/// (`--config`); see [`crate::config`] for the file and the precedence: flags, then
+/// environment, then file, then defaults.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct NodeArgs {
+    /// A TOML config file (flags and FLOTILLA_* variables override what it says).
+    #[arg(long, env = "FLOTILLA_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
     /// NATS server URL(s), comma-separated; without it the embedded broker is used.
     #[arg(long, env = "FLOTILLA_NATS", global = true)]
     pub nats: Option<String>,
@@ -24,27 +32,108 @@ pub struct NodeArgs {
     /// Run id for drain markers (default: a new one per start).
     #[arg(long, env = "FLOTILLA_RUN_ID", global = true)]
     pub run_id: Option<String>,
-    /// Log filter (tracing env-filter syntax, e.g. `info,flotilla_actors=debug`).
-    #[arg(long, env = "FLOTILLA_LOG", default_value = "info", global = true)]
-    pub log: String,
+    /// Log filter (tracing env-filter syntax, e.g. `info,flotilla_actors=debug`; default info).
+    #[arg(long, env = "FLOTILLA_LOG", global = true)]
+    pub log: Option<String>,
     /// Log as JSON lines.
-    #[arg(long, env = "FLOTILLA_LOG_JSON", global = true)]
-    pub log_json: bool,
+    #[arg(long, env = "FLOTILLA_LOG_JSON", global = true, num_args = 0..=1, default_missing_value = "true")]
+    pub log_json: Option<bool>,
+    /// NATS user (with --nats-password).
+    #[arg(long, env = "FLOTILLA_NATS_USER", global = true)]
+    pub nats_user: Option<String>,
+    /// NATS password (with --nats-user).
+    #[arg(long, env = "FLOTILLA_NATS_PASSWORD", global = true, hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// NATS auth token.
+    #[arg(long, env = "FLOTILLA_NATS_TOKEN", global = true, hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds).
+    #[arg(long, env = "FLOTILLA_NATS_CREDS", global = true)]
+    pub nats_creds: Option<PathBuf>,
+    /// NATS nkey seed.
+    #[arg(long, env = "FLOTILLA_NATS_NKEY_SEED", global = true, hide_env_values = true)]
+    pub nats_nkey_seed: Option<String>,
+    /// CA certificate (PEM) to trust for TLS.
+    #[arg(long, env = "FLOTILLA_NATS_TLS_CA", global = true)]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS (with --nats-tls-key).
+    #[arg(long, env = "FLOTILLA_NATS_TLS_CERT", global = true)]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// Client certificate key (PEM).
+    #[arg(long, env = "FLOTILLA_NATS_TLS_KEY", global = true)]
+    pub nats_tls_key: Option<PathBuf>,
 }
 
 impl NodeArgs {
-    /// The broker choice these flags make.
+    /// What the flags and environment variables say (without the file).
+    pub fn layer(&self) -> NodeConfig {
+        NodeConfig {
+            nats: self.nats.clone().map(Urls::One),
+            node_id: self.node_id.clone(),
+            run_id: self.run_id.clone(),
+            log: self.log.clone(),
+            log_json: self.log_json,
+            connect: ConnectConfig {
+                user: self.nats_user.clone(),
+                password: self.nats_password.clone(),
+                token: self.nats_token.clone(),
+                credentials: self.nats_creds.clone(),
+                nkey_seed: self.nats_nkey_seed.clone(),
+                tls_ca: self.nats_tls_ca.clone(),
+                tls_cert: self.nats_tls_cert.clone(),
+                tls_key: self.nats_tls_key.clone(),
+                ..ConnectConfig::default()
+            },
+        }
+    }
+
+    /// The effective configuration: flags and environment over the config file.
+    ///
+    /// # Errors
+    /// [`ConfigError`] when the file cannot be read or is invalid.
+    pub fn resolve(&self) -> Result<NodeConfig, ConfigError> {
+        let file = match &self.config {
+            Some(path) => NodeConfig::from_file(path)?,
+            None => NodeConfig::default(),
+        };
+        Ok(self.layer().over(file))
+    }
+
+    /// The broker choice these flags make (URLs only; see [`NodeArgs::connect`] for
+    /// the whole configuration).
     pub fn broker(&self) -> BrokerChoice {
         BrokerChoice::from_url(self.nats.as_deref())
     }
 
     /// The node id: `--node-id`, else `<hostname>-<pid>`.
     pub fn node_id(&self) -> String {
-        self.node_id.clone().unwrap_or_else(|| {
-            let host =
-                std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "node".into());
-            format!("{host}-{}", std::process::id())
-        })
+        self.node_id.clone().unwrap_or_else(default_node_id)
+    }
+
+    /// Resolves the configuration and connects the broker it names.
+    ///
+    /// # Errors
+    /// [`NodeError`] for a bad configuration or an unreachable broker.
+    pub async fn connect(&self, client_name: &str) -> Result<SharedBroker, NodeError> {
+        let config = self.resolve()?;
+        connect_config(&config, client_name).await
+    }
+}
+
+fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "node".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// Connects the broker a resolved configuration names: JetStream with its URLs and
+/// connection settings, or the embedded broker.
+///
+/// # Errors
+/// [`NodeError`] for settings that do not go together or an unreachable broker.
+pub async fn connect_config(config: &NodeConfig, client_name: &str) -> Result<SharedBroker, NodeError> {
+    match config.jetstream_options(client_name)? {
+        Some(opts) => Ok(flotilla_transport::JetStreamBroker::connect(opts).await?.shared()),
+        None => Ok(connect(&BrokerChoice::Embedded, client_name).await?),
     }
 }
 
@@ -65,6 +154,9 @@ pub enum NodeError {
         /// Why it does not parse.
         reason: String,
     },
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     /// The runtime could not start.
     #[error("cannot start the runtime: {0}")]
     Runtime(String),
@@ -81,11 +173,11 @@ impl std::fmt::Debug for NodeError {
 ///
 /// # Errors
 /// [`NodeError::LogFilter`] when the filter does not parse.
-pub fn init_logging(args: &NodeArgs) -> Result<(), NodeError> {
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .map_err(|e| NodeError::LogFilter { filter: args.log.clone(), reason: e.to_string() })?;
+pub fn init_logging(config: &NodeConfig) -> Result<(), NodeError> {
+    let filter = tracing_subscriber::EnvFilter::try_new(config.log_filter())
+        .map_err(|e| NodeError::LogFilter { filter: config.log_filter().to_owned(), reason: e.to_string() })?;
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if args.log_json { builder.json().try_init() } else { builder.try_init() };
+    let _ = if config.log_json.unwrap_or(false) { builder.json().try_init() } else { builder.try_init() };
     Ok(())
 }
 
@@ -114,13 +206,14 @@ where
     F: FnOnce(NodeHandle) -> Fut + 'static,
     Fut: Future<Output = ()> + 'static,
 {
-    init_logging(&args)?;
+    let config = args.resolve()?;
+    init_logging(&config)?;
     let system = actix::System::new();
     system.block_on(async move {
-        let choice = args.broker();
-        let node_id = args.node_id();
-        let broker = connect(&choice, &node_id).await?;
-        let job = match &args.run_id {
+        let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
+        let broker = connect_config(&config, &node_id).await?;
+        let embedded = config.urls().is_empty();
+        let job = match &config.run_id {
             Some(id) => job.run_id(id.clone()),
             None => job,
         };
@@ -131,7 +224,7 @@ where
         let handle = NodeHandle {
             broker,
             stopper: running.stopper(),
-            embedded: matches!(choice, BrokerChoice::Embedded),
+            embedded,
             run_id: running.run_id().to_owned(),
             node_id,
         };

@@ -88,10 +88,19 @@ impl NatsServer {
     /// # Panics
     /// When nats-server is missing or does not become healthy (the panic shows its log).
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a standalone JetStream server with extra command-line arguments (for
+    /// example `["--user", "u", "--pass", "p"]`).
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`].
+    pub fn start_with(extra: &[&str]) -> Self {
         let dir = tempfile::Builder::new().prefix("flotilla-nats-").tempdir().expect("temp dir for nats-server");
         let port = free_port();
         let http_port = free_port();
-        let mut server = Self::spawn(dir.path(), port, http_port, Vec::new());
+        let mut server = Self::spawn(dir.path(), port, http_port, extra.iter().map(|a| (*a).to_owned()).collect());
         server._dir = Some(dir);
         server.wait_healthy();
         server

@@ -1,0 +1,339 @@
+//! Node configuration: a TOML file, `FLOTILLA_*` environment variables and flags.
+//!
+//! **Precedence**, highest first: command-line flags, then `FLOTILLA_*` environment
+//! variables, then the config file (`--config PATH` or `FLOTILLA_CONFIG`), then the
+//! defaults. Every setting can come from any of the three:
+//!
+//! ```toml
+//! nats = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]   # or one string
+//! node_id = "node-a"
+//! log = "info,flotilla_actors=debug"
+//! log_json = false
+//!
+//! [connect]
+//! user = "flotilla"
+//! password = "secret"            # or: token = "…", credentials = "/etc/nats/app.creds",
+//! tls_ca = "/etc/nats/ca.pem"    #     nkey_seed = "SU…", tls_cert + tls_key for mutual TLS
+//! ping_interval = "3s"
+//! connect_timeout = "5s"
+//! request_timeout = "5s"
+//! ```
+//!
+//! A file with an unknown key or a bad value is refused with the key and its line.
+
+use flotilla_transport::JetStreamOptions;
+use serde::{Deserialize, Deserializer, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Why the configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {reason}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        reason: String,
+    },
+    /// The file is not valid: unknown key, wrong type or bad value (the message names
+    /// the key and shows its line).
+    #[error("invalid config file {path}: {message}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// TOML's report, with line and column.
+        message: String,
+    },
+    /// A value given as a flag or environment variable is not valid.
+    #[error("invalid {setting}: {problem}")]
+    Value {
+        /// The flag or variable.
+        setting: String,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+/// One URL or several.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Urls {
+    /// `nats = "nats://h:4222"` (commas separate several).
+    One(String),
+    /// `nats = ["nats://a:4222", "nats://b:4222"]`.
+    Many(Vec<String>),
+}
+
+impl Urls {
+    /// The URLs as a list.
+    pub fn to_vec(&self) -> Vec<String> {
+        match self {
+            Urls::One(s) => split_urls(s),
+            Urls::Many(v) => v.iter().flat_map(|s| split_urls(s)).collect(),
+        }
+    }
+}
+
+/// Splits a comma-separated URL list, dropping empty entries.
+pub fn split_urls(s: &str) -> Vec<String> {
+    s.split(',').map(str::trim).filter(|u| !u.is_empty()).map(str::to_owned).collect()
+}
+
+fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+    let text = Option::<String>::deserialize(d)?;
+    text.map(|s| parse_duration(&s).map_err(serde::de::Error::custom)).transpose()
+}
+
+/// Parses `5s`, `500ms`, `2m` and the like.
+///
+/// # Errors
+/// A message that shows the accepted form.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| format!("invalid duration {s:?} ({e}); write e.g. 5s, 500ms or 2m"))
+}
+
+/// How to authenticate and secure the NATS connection.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectConfig {
+    /// User name (with `password`).
+    pub user: Option<String>,
+    /// Password (with `user`).
+    pub password: Option<String>,
+    /// An auth token.
+    pub token: Option<String>,
+    /// A `.creds` file (JWT and nkey seed).
+    pub credentials: Option<PathBuf>,
+    /// An nkey seed.
+    pub nkey_seed: Option<String>,
+    /// A CA certificate (PEM) to trust.
+    pub tls_ca: Option<PathBuf>,
+    /// A client certificate (PEM), with `tls_key`.
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM), with `tls_cert`.
+    pub tls_key: Option<PathBuf>,
+    /// How often to ping the server.
+    #[serde(default, deserialize_with = "duration", serialize_with = "ser_duration")]
+    pub ping_interval: Option<Duration>,
+    /// How long one connection attempt may take.
+    #[serde(default, deserialize_with = "duration", serialize_with = "ser_duration")]
+    pub connect_timeout: Option<Duration>,
+    /// How long a JetStream API request may take.
+    #[serde(default, deserialize_with = "duration", serialize_with = "ser_duration")]
+    pub request_timeout: Option<Duration>,
+}
+
+fn ser_duration<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+        None => s.serialize_none(),
+    }
+}
+
+/// The node configuration: what a file holds, and what the merge produces.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// NATS server URL(s); the embedded broker when absent.
+    pub nats: Option<Urls>,
+    /// This node's id.
+    pub node_id: Option<String>,
+    /// Run id for drain markers.
+    pub run_id: Option<String>,
+    /// Log filter (tracing env-filter syntax).
+    pub log: Option<String>,
+    /// Log as JSON lines.
+    pub log_json: Option<bool>,
+    /// NATS connection settings.
+    #[serde(default)]
+    pub connect: ConnectConfig,
+}
+
+impl NodeConfig {
+    /// Reads a config file.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] or [`ConfigError::Invalid`] (naming the key and line).
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.to_owned(), reason: e.to_string() })?;
+        Self::from_toml(&text).map_err(|message| ConfigError::Invalid { path: path.to_owned(), message })
+    }
+
+    /// Parses TOML text; the error is TOML's report (line, column, key).
+    ///
+    /// # Errors
+    /// The report as text.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())
+    }
+
+    /// `self` over `lower`: every setting `self` has wins.
+    pub fn over(self, lower: NodeConfig) -> NodeConfig {
+        let c = self.connect;
+        let l = lower.connect;
+        NodeConfig {
+            nats: self.nats.or(lower.nats),
+            node_id: self.node_id.or(lower.node_id),
+            run_id: self.run_id.or(lower.run_id),
+            log: self.log.or(lower.log),
+            log_json: self.log_json.or(lower.log_json),
+            connect: ConnectConfig {
+                user: c.user.or(l.user),
+                password: c.password.or(l.password),
+                token: c.token.or(l.token),
+                credentials: c.credentials.or(l.credentials),
+                nkey_seed: c.nkey_seed.or(l.nkey_seed),
+                tls_ca: c.tls_ca.or(l.tls_ca),
+                tls_cert: c.tls_cert.or(l.tls_cert),
+                tls_key: c.tls_key.or(l.tls_key),
+                ping_interval: c.ping_interval.or(l.ping_interval),
+                connect_timeout: c.connect_timeout.or(l.connect_timeout),
+                request_timeout: c.request_timeout.or(l.request_timeout),
+            },
+        }
+    }
+
+    /// The NATS URLs, if any.
+    pub fn urls(&self) -> Vec<String> {
+        self.nats.as_ref().map(Urls::to_vec).unwrap_or_default()
+    }
+
+    /// The log filter (default `info`).
+    pub fn log_filter(&self) -> &str {
+        self.log.as_deref().unwrap_or("info")
+    }
+
+    /// Connection options for JetStream, or `None` for the embedded broker.
+    ///
+    /// # Errors
+    /// [`ConfigError::Value`] for settings that only work together (user without
+    /// password, certificate without key).
+    pub fn jetstream_options(&self, client_name: &str) -> Result<Option<JetStreamOptions>, ConfigError> {
+        let urls = self.urls();
+        let Some(first) = urls.first() else { return Ok(None) };
+        let c = &self.connect;
+        let mut opts = JetStreamOptions::new(first.clone());
+        opts.urls = urls;
+        opts.name = Some(client_name.to_owned());
+        match (&c.user, &c.password) {
+            (Some(u), Some(p)) => opts.user_password = Some((u.clone(), p.clone())),
+            (None, None) => {}
+            _ => {
+                return Err(ConfigError::Value {
+                    setting: "connect.user / connect.password".into(),
+                    problem: "give both, or neither".into(),
+                });
+            }
+        }
+        match (&c.tls_cert, &c.tls_key) {
+            (Some(cert), Some(key)) => opts.tls_client_cert = Some((cert.clone(), key.clone())),
+            (None, None) => {}
+            _ => {
+                return Err(ConfigError::Value {
+                    setting: "connect.tls_cert / connect.tls_key".into(),
+                    problem: "a client certificate needs its key: give both, or neither".into(),
+                });
+            }
+        }
+        opts.token = c.token.clone();
+        opts.credentials_file = c.credentials.clone();
+        opts.nkey_seed = c.nkey_seed.clone();
+        opts.tls_ca = c.tls_ca.clone();
+        if let Some(d) = c.ping_interval {
+            opts.ping_interval = d;
+        }
+        if let Some(d) = c.connect_timeout {
+            opts.connect_timeout = d;
+        }
+        if let Some(d) = c.request_timeout {
+            opts.request_timeout = d;
+        }
+        Ok(Some(opts))
+    }
+
+    /// The configuration as TOML, secrets redacted.
+    pub fn to_toml_redacted(&self) -> String {
+        let mut shown = self.clone();
+        for secret in [&mut shown.connect.password, &mut shown.connect.token, &mut shown.connect.nkey_seed] {
+            if secret.is_some() {
+                *secret = Some("<redacted>".into());
+            }
+        }
+        toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot show the configuration: {e}\n"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_file_parses() {
+        let c = NodeConfig::from_toml(
+            r#"
+nats = ["nats://a:4222", "nats://b:4222"]
+node_id = "node-a"
+log_json = true
+
+[connect]
+user = "u"
+password = "p"
+ping_interval = "2s"
+request_timeout = "750ms"
+"#,
+        )
+        .expect("parses");
+        assert_eq!(c.urls(), vec!["nats://a:4222".to_string(), "nats://b:4222".to_string()]);
+        assert_eq!(c.connect.ping_interval, Some(Duration::from_secs(2)));
+        let opts = c.jetstream_options("n").expect("options").expect("nats");
+        assert_eq!(opts.request_timeout, Duration::from_millis(750));
+        assert_eq!(opts.user_password, Some(("u".into(), "p".into())));
+        assert!(!c.to_toml_redacted().contains("\"p\""), "{}", c.to_toml_redacted());
+        assert_eq!(NodeConfig::from_toml("nats = \"nats://x:1, nats://y:2\"").expect("one string").urls().len(), 2);
+    }
+
+    #[test]
+    fn an_unknown_key_is_named_with_its_line() {
+        let err = NodeConfig::from_toml("node_id = \"a\"\n\nlease_ttl = \"10s\"\n").expect_err("unknown key");
+        assert!(err.contains("lease_ttl") && err.contains("line 3"), "{err}");
+        let err = NodeConfig::from_toml("[connect]\nuser = \"u\"\npasword = \"p\"\n").expect_err("typo in a table");
+        assert!(err.contains("pasword") && err.contains("line 3"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_duration_is_named_with_its_line() {
+        let err = NodeConfig::from_toml("[connect]\n\nping_interval = \"soon\"\n").expect_err("bad duration");
+        assert!(err.contains("ping_interval") && err.contains("line 3") && err.contains("5s"), "{err}");
+        let err = NodeConfig::from_toml("log_json = \"yes\"\n").expect_err("wrong type");
+        assert!(err.contains("log_json") && err.contains("line 1"), "{err}");
+    }
+
+    #[test]
+    fn higher_layers_win_setting_by_setting() {
+        let file = NodeConfig::from_toml("node_id = \"from-file\"\nlog = \"debug\"\n[connect]\ntoken = \"t\"\n")
+            .expect("file");
+        let env = NodeConfig { node_id: Some("from-env".into()), ..Default::default() };
+        let flags = NodeConfig { log: Some("warn".into()), ..Default::default() };
+        let merged = flags.over(env.over(file));
+        assert_eq!(merged.node_id.as_deref(), Some("from-env"));
+        assert_eq!(merged.log_filter(), "warn");
+        assert_eq!(merged.connect.token.as_deref(), Some("t"), "what only the file sets survives");
+    }
+
+    #[test]
+    fn settings_that_only_work_together_are_checked() {
+        let c = NodeConfig::from_toml("nats = \"nats://h:4222\"\n[connect]\nuser = \"u\"\n").expect("parses");
+        let err = c.jetstream_options("n").expect_err("user without password");
+        assert!(err.to_string().contains("connect.user"), "{err}");
+        assert!(NodeConfig::default().jetstream_options("n").expect("ok").is_none(), "embedded without URLs");
+    }
+
+    #[test]
+    fn a_missing_file_says_which() {
+        let err = NodeConfig::from_file(Path::new("/nonexistent/flotilla.toml")).expect_err("missing");
+        assert!(err.to_string().contains("/nonexistent/flotilla.toml"), "{err}");
+    }
+}
