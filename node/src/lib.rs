@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod assignment;
 pub mod config;
 pub mod connect;
 pub mod runner;
