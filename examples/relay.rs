@@ -9,7 +9,13 @@
 //!   forwarded unchanged;
 //! * flags `--nats URL`, `--partitions N` (8), `--max-attempts N` (3),
 //!   `--ack-wait DURATION` (30s), `--node-id ID`; `publish --count N [--poison K]`
-//!   publishes N records (K of them poison) and exits.
+//!   publishes N records (K of them poison) and exits;
+//! * with `--nats`, several relay processes form a cluster and share `relay-in`'s
+//!   partitions; the control subcommands (`status`, `drain`, `stop --node ID`,
+//!   `shutdown`, `pause`, `resume`, `step`) work as in the `flotilla` binary;
+//! * on exit a node prints `relay node <id>: forwarded N records … ; F failed attempts;
+//!   R redelivered records` (R counts records this node got with a delivery count
+//!   above 1).
 //!
 //! Without `--nats` it runs on the embedded broker: it publishes a demo set itself,
 //! relays it, prints a summary and exits. With `--nats` it is a node that runs until
@@ -64,7 +70,7 @@ struct Args {
     command: Option<Command>,
 }
 
-#[derive(Subcommand)]
+#[derive(Clone, Subcommand)]
 enum Command {
     /// Publish records into the input stream and exit.
     Publish {
@@ -78,6 +84,9 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         start: u64,
     },
+    /// Control the running relay nodes (needs --nats).
+    #[command(flatten)]
+    Control(flotilla::node::ControlCommand),
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -88,6 +97,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 struct Counts {
     forwarded: Cell<u64>,
     failed_attempts: Cell<u64>,
+    redelivered: Cell<u64>,
 }
 
 struct Relay<T: 'static> {
@@ -100,6 +110,9 @@ impl Task for Relay<Record> {
     type Input = Record;
 
     async fn process(&mut self, record: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        if ctx.message().is_some_and(|m| m.delivered > 1 && u64::from(m.attempt) == m.delivered) {
+            self.counts.redelivered.set(self.counts.redelivered.get() + 1);
+        }
         if record.body.starts_with("poison") {
             self.counts.failed_attempts.set(self.counts.failed_attempts.get() + 1);
             return Err(TaskError::failed(format!("record {} is poison", record.id)));
@@ -179,6 +192,9 @@ async fn publish(
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let Streams { input, output } = streams(&args);
+    if let Some(Command::Control(command)) = args.command.clone() {
+        std::process::exit(flotilla::node::runner::control(&args.node, "relay", command));
+    }
     if let Some(Command::Publish { count, poison, start }) = args.command {
         if args.node.resolve()?.urls().is_empty() {
             bail!(
@@ -250,10 +266,11 @@ fn main() -> anyhow::Result<()> {
     let elapsed = started.elapsed();
     let forwarded = counts.forwarded.get();
     println!(
-        "relay node {node_id}: forwarded {forwarded} records to {} in {elapsed:.2?} ({:.0} records/s); {} failed attempts",
+        "relay node {node_id}: forwarded {forwarded} records to {} in {elapsed:.2?} ({:.0} records/s); {} failed attempts; {} redelivered records",
         output.name(),
         forwarded as f64 / elapsed.as_secs_f64().max(1e-9),
         counts.failed_attempts.get(),
+        counts.redelivered.get(),
     );
     result?;
     Ok(())

@@ -14,8 +14,13 @@
 //!     .max_attempts(5);
 //! ```
 
+use crate::cluster::{
+    self, ClusterConfig, DrainedRecord, Fence, InputRecord, NodeRecord, RequestRecord, RunRecord, TopologyRecord, keys,
+    now_ms,
+};
 use crate::config::{ConfigError, FailurePolicy, TaskConfig};
 use crate::container::{Container, ContainerConfig, ContainerExit, SlotContext, SlotSpec, StopContainer, WorkerHandle};
+use crate::membership::{Buckets, ControlMessage, Deregister, Leave, LeaveReason, Membership, MembershipSetup};
 use crate::reaper::Reaper;
 use crate::retry::RetryPolicy;
 use crate::stream::{StreamDef, StreamKind};
@@ -53,6 +58,23 @@ pub enum JobError {
     /// A task failed and the policy failed the container.
     #[error("job failed: {0}")]
     Failed(String),
+    /// Another live node of the job uses this node id.
+    #[error(
+        "node id {node:?} is already alive in job {job} ({holder}); start this node with another --node-id, or wait {ttl:?} for the old entry to expire if that node is gone"
+    )]
+    NodeIdTaken {
+        /// The job.
+        job: String,
+        /// The node id.
+        node: String,
+        /// Who holds it.
+        holder: String,
+        /// When a dead holder's entry expires.
+        ttl: Duration,
+    },
+    /// The node id cannot be used in subjects and keys.
+    #[error("node id {0:?} is invalid: use letters, digits, '-' and '_' only")]
+    NodeIdInvalid(String),
 }
 
 type Starter = Rc<dyn Fn(Rc<TaskEnv>, Binding, TaskConfig, SlotContext) -> WorkerHandle>;
@@ -108,7 +130,11 @@ impl Job {
         let starter: Starter = Rc::new(move |env, binding, config, sc: SlotContext| {
             let task = factory(binding.partition);
             let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper).start();
-            WorkerHandle { deliver: worker.clone().recipient(), stop: worker.recipient() }
+            WorkerHandle {
+                deliver: worker.clone().recipient(),
+                stop: worker.clone().recipient(),
+                control: worker.recipient(),
+            }
         });
         self.tasks.push(TaskEntry {
             stream: input.name(),
@@ -335,8 +361,8 @@ impl Job {
                         // This node owns every partition: take over what a dead
                         // previous owner left unacked, at the committed position.
                         let spec = topology::partition_consumer(&subjects, &name, p, c.ack_wait, c.window);
-                        topology::take_over_partition(&broker, &js_stream, spec).await?;
-                        slots.push(slot(
+                        topology::take_over_partition(&broker, &js_stream, spec.clone()).await?;
+                        let mut s = slot(
                             t,
                             &env,
                             Some(p),
@@ -344,7 +370,11 @@ impl Job {
                             js_stream.clone(),
                             Subjects::partition_consumer(&name, p),
                             c.window as usize,
-                        ));
+                            None,
+                        );
+                        // A restarted task resumes at the committed position.
+                        s.takeover = Some(spec);
+                        slots.push(s);
                     }
                 }
                 StreamKind::Queue => {
@@ -356,6 +386,7 @@ impl Job {
                         js_stream.clone(),
                         Subjects::queue_consumer(&name),
                         c.max_concurrency,
+                        None,
                     ));
                 }
             }
@@ -369,10 +400,286 @@ impl Job {
         let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
         let (tx, rx) = oneshot::channel();
         let container = Container::new(broker, subjects, self.container, slots, timers, reaper, tx).start();
-        Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone() })
+        Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone(), membership: None })
+    }
+
+    /// Provisions and starts the job as one node of a cluster (DESIGN §7): registers
+    /// `node` in the NODES bucket (refusing a node id that is alive), joins the
+    /// cluster's run, consumes the queue inputs at once and the ordered partitions whose
+    /// leases it acquires, and follows the desired state and control requests.
+    ///
+    /// # Errors
+    /// [`JobError::NodeIdTaken`] when another live node has this id, and whatever
+    /// [`start`](Self::start) refuses.
+    pub async fn start_node(
+        self,
+        broker: SharedBroker,
+        node: &str,
+        config: ClusterConfig,
+    ) -> Result<RunningJob, JobError> {
+        if node.is_empty() || !node.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+            return Err(JobError::NodeIdInvalid(node.to_owned()));
+        }
+        self.provision(broker.clone()).await?;
+        let subjects = Subjects::new(JobName::new(self.name.clone())?);
+        let b = Buckets::new(&subjects);
+        broker.ensure_kv(topology::bucket(&subjects, cluster::NODES, Some(config.node_ttl))).await?;
+        broker.ensure_kv(topology::bucket(&subjects, cluster::LEASES, Some(config.lease_ttl))).await?;
+        broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None)).await?;
+
+        let record =
+            NodeRecord { node: node.to_owned(), pid: std::process::id(), host: host_name(), started_ms: now_ms() };
+        let node_value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+        let node_revision = match broker.kv_create(&b.nodes, node, node_value.clone()).await {
+            Ok(rev) => rev,
+            Err(BrokerError::KvKeyExists { .. }) => {
+                let holder = match broker.kv_get(&b.nodes, node).await {
+                    Ok(Some(e)) => match serde_json::from_slice::<NodeRecord>(&e.value) {
+                        Ok(r) => format!("pid {} on {}", r.pid, r.host),
+                        Err(_) => "an entry this version cannot read".to_owned(),
+                    },
+                    _ => "an entry that is just expiring".to_owned(),
+                };
+                return Err(JobError::NodeIdTaken {
+                    job: self.name.clone(),
+                    node: node.to_owned(),
+                    holder,
+                    ttl: config.node_ttl,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match self.join(broker.clone(), &subjects, &b, node, node_value, node_revision, config).await {
+            Ok(running) => Ok(running),
+            Err(e) => {
+                // Do not block a restart with this id for a whole TTL.
+                let _ = broker.kv_delete(&b.nodes, node, Some(node_revision)).await;
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn join(
+        self,
+        broker: SharedBroker,
+        subjects: &Subjects,
+        b: &Buckets,
+        node: &str,
+        node_value: bytes::Bytes,
+        node_revision: u64,
+        config: ClusterConfig,
+    ) -> Result<RunningJob, JobError> {
+        let topology = TopologyRecord {
+            inputs: self
+                .tasks
+                .iter()
+                .map(|t| InputRecord {
+                    stream: t.stream.to_owned(),
+                    partitions: match t.kind {
+                        StreamKind::Ordered { partitions } => Some(partitions),
+                        StreamKind::Queue => None,
+                    },
+                })
+                .collect(),
+        };
+        let run_id = current_run(&broker, b, &topology, self.run_id.clone()).await?;
+        broker.kv_put(&b.control, keys::TOPOLOGY, json(&topology)).await?;
+        // A stop request for an earlier process with this id is not for this one.
+        if broker.kv_get(&b.control, &keys::stop(node)).await?.is_some() {
+            broker.kv_delete(&b.control, &keys::stop(node), None).await?;
+        }
+        let shutdown_seen = broker.kv_get(&b.control, keys::SHUTDOWN).await?.map_or(0, |e| e.revision);
+        let paused: cluster::PauseRecord = match broker.kv_get(&b.control, keys::PAUSED).await? {
+            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+            None => cluster::PauseRecord::default(),
+        };
+
+        let env = Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id.clone()));
+        let mut slots = Vec::new();
+        let mut queue_slots = Vec::new();
+        let mut ordered = Vec::new();
+        let tasks: Rc<Vec<TaskEntry>> = Rc::new(self.tasks);
+        for t in tasks.iter() {
+            let name = StreamName::new(t.stream)?;
+            match t.kind {
+                StreamKind::Ordered { partitions } => ordered.push((t.stream.to_owned(), partitions)),
+                StreamKind::Queue => {
+                    queue_slots.push((slots.len(), t.stream.to_owned()));
+                    let mut spec = slot(
+                        t,
+                        &env,
+                        None,
+                        slots.len(),
+                        subjects.stream_name(&name),
+                        Subjects::queue_consumer(&name),
+                        t.config.max_concurrency,
+                        None,
+                    );
+                    spec.paused = paused.covers(t.stream, None);
+                    slots.push(spec);
+                }
+            }
+        }
+        let factory_env = env.clone();
+        let factory_subjects = subjects.clone();
+        let factory_tasks = tasks.clone();
+        let factory: crate::container::PartitionFactory = Rc::new(move |stream, p, epoch, fence, paused| {
+            let t = factory_tasks.iter().find(|t| t.stream == stream)?;
+            let name = StreamName::new(t.stream).ok()?;
+            let c = &t.config;
+            let mut spec = slot(
+                t,
+                &factory_env,
+                Some(p),
+                0,
+                factory_subjects.stream_name(&name),
+                Subjects::partition_consumer(&name, p),
+                c.window as usize,
+                Some((epoch, fence)),
+            );
+            spec.takeover = Some(topology::partition_consumer(&factory_subjects, &name, p, c.ack_wait, c.window));
+            spec.paused = paused;
+            Some(spec)
+        });
+        let takeover_subjects = subjects.clone();
+        let takeover: crate::membership::TakeoverSpec = Rc::new(move |stream, p| {
+            let t = tasks.iter().find(|t| t.stream == stream)?;
+            let name = StreamName::new(t.stream).ok()?;
+            let c = &t.config;
+            Some((
+                takeover_subjects.stream_name(&name),
+                topology::partition_consumer(&takeover_subjects, &name, p, c.ack_wait, c.window),
+            ))
+        });
+
+        let timers = TimerService::with_promotion(Promotion {
+            broker: broker.clone(),
+            js_stream: subjects.timer_stream_name(),
+            consumer: topology::timer_consumer().name,
+        })
+        .start();
+        let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+        let (tx, rx) = oneshot::channel();
+        let membership_ctx = Context::<Membership>::new();
+        let membership = membership_ctx.address();
+        let container =
+            Container::new(broker.clone(), subjects.clone(), self.container, slots, timers.clone(), reaper.clone(), tx)
+                .observed_by(membership.clone().recipient(), factory)
+                .start();
+        let (left, _) = tokio::sync::watch::channel(None);
+        membership_ctx.run(Membership::new(MembershipSetup {
+            broker: broker.clone(),
+            subjects: subjects.clone(),
+            node: node.to_owned(),
+            node_revision,
+            node_value,
+            run_id: run_id.clone(),
+            config,
+            ordered,
+            queue_slots,
+            takeover,
+            container: container.clone(),
+            timers,
+            reaper,
+            shutdown_seen,
+            left: left.clone(),
+        }));
+        for pattern in [subjects.control("all.*"), subjects.control(&format!("node.{node}.*"))] {
+            let mut requests = broker.subscribe(&pattern, None).await?;
+            let to = membership.clone();
+            actix::spawn(async move {
+                use futures::StreamExt;
+                while let Some(msg) = requests.next().await {
+                    if to.try_send(ControlMessage(msg)).is_err() && !to.connected() {
+                        break;
+                    }
+                }
+            });
+        }
+        Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)) })
     }
 }
 
+fn json<T: serde::Serialize>(value: &T) -> bytes::Bytes {
+    bytes::Bytes::from(serde_json::to_vec(value).unwrap_or_default())
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "unknown".into())
+}
+
+/// The cluster's current run: the one in the CONTROL bucket, unless it was drained to
+/// the end (then a new one begins); created when there is none.
+async fn current_run(
+    broker: &SharedBroker,
+    b: &Buckets,
+    topology: &TopologyRecord,
+    wanted: Option<String>,
+) -> Result<String, JobError> {
+    for _ in 0..5 {
+        let fresh = RunRecord {
+            run_id: wanted.clone().unwrap_or_else(|| MessageId::new_v7().to_string()),
+            started_ms: now_ms(),
+        };
+        let Some(entry) = broker.kv_get(&b.control, keys::RUN).await? else {
+            match broker.kv_create(&b.control, keys::RUN, json(&fresh)).await {
+                Ok(_) => return Ok(fresh.run_id),
+                Err(BrokerError::KvKeyExists { .. } | BrokerError::KvWrongRevision { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let Ok(current) = serde_json::from_slice::<RunRecord>(&entry.value) else {
+            broker.kv_update(&b.control, keys::RUN, json(&fresh), entry.revision).await?;
+            return Ok(fresh.run_id);
+        };
+        if !run_drained(broker, b, topology, &current.run_id).await? {
+            return Ok(current.run_id);
+        }
+        match broker.kv_update(&b.control, keys::RUN, json(&fresh), entry.revision).await {
+            Ok(_) => {
+                tracing::info!(previous = %current.run_id, run = %fresh.run_id, "the previous run was drained: a new run begins");
+                return Ok(fresh.run_id);
+            }
+            Err(BrokerError::KvWrongRevision { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(JobError::Misconfigured {
+        job: String::new(),
+        problem: "could not agree on the current run with the other nodes after 5 tries".into(),
+    })
+}
+
+/// Whether `run` was drained: a drain was requested for it and every ordered partition
+/// recorded its drain.
+async fn run_drained(
+    broker: &SharedBroker,
+    b: &Buckets,
+    topology: &TopologyRecord,
+    run: &str,
+) -> Result<bool, JobError> {
+    let Some(drain) = broker.kv_get(&b.control, keys::DRAIN).await? else { return Ok(false) };
+    if serde_json::from_slice::<RequestRecord>(&drain.value).map_or(true, |d| d.run_id != run) {
+        return Ok(false);
+    }
+    let parts = topology.partitions();
+    if parts.is_empty() {
+        return Ok(false);
+    }
+    for (stream, p) in parts {
+        let done = match broker.kv_get(&b.control, &keys::drained(&stream, p)).await? {
+            Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+            None => false,
+        };
+        if !done {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn slot(
     t: &TaskEntry,
     env: &Rc<TaskEnv>,
@@ -381,11 +688,17 @@ fn slot(
     js_stream: String,
     consumer: String,
     capacity: usize,
+    lease: Option<(u64, Fence)>,
 ) -> SlotSpec {
     let starter = t.starter.clone();
     let env = env.clone();
     let config = t.config.clone();
-    let binding = Binding { stream: t.stream, kind: t.kind, type_name: t.type_name, partition, slot: index, epoch: 0 };
+    let (epoch, fence) = match lease {
+        Some((epoch, fence)) => (epoch, Some(fence)),
+        None => (0, None),
+    };
+    let binding =
+        Binding { stream: t.stream, kind: t.kind, type_name: t.type_name, partition, slot: index, epoch, fence };
     SlotSpec {
         stream: t.stream.to_owned(),
         partition,
@@ -395,6 +708,8 @@ fn slot(
         policy: t.config.failure_policy,
         sweep: matches!(t.kind, StreamKind::Queue),
         takeover: None,
+        epoch,
+        paused: false,
         spawn: Box::new(move |sc| {
             starter(env.clone(), Binding { slot: sc.slot, ..binding.clone() }, config.clone(), sc)
         }),
@@ -407,6 +722,8 @@ pub struct RunningJob {
     container: Addr<Container>,
     exit: oneshot::Receiver<ContainerExit>,
     run_id: String,
+    /// Cluster mode: the node's membership, and why it left.
+    membership: Option<(Addr<Membership>, tokio::sync::watch::Sender<Option<LeaveReason>>)>,
 }
 
 impl RunningJob {
@@ -415,22 +732,35 @@ impl RunningJob {
         &self.run_id
     }
 
-    /// Asks the job to stop gracefully.
+    /// Asks the job to stop gracefully (in a cluster: leave, handing partitions over).
     pub fn stop(&self) {
-        self.container.do_send(StopContainer);
+        self.stopper().stop();
     }
 
     /// A handle that can stop the job from elsewhere.
     pub fn stopper(&self) -> JobStopper {
-        JobStopper(self.container.clone())
+        match &self.membership {
+            Some((m, _)) => JobStopper(Stopper::Node(m.clone())),
+            None => JobStopper(Stopper::Container(self.container.clone())),
+        }
     }
 
-    /// Waits until the job ends.
+    /// Why the node left the cluster, once it does (cluster mode).
+    pub fn left(&self) -> Option<tokio::sync::watch::Receiver<Option<LeaveReason>>> {
+        self.membership.as_ref().map(|(_, tx)| tx.subscribe())
+    }
+
+    /// Waits until the job ends. In a cluster the node then deletes its leases and its
+    /// membership, so other nodes take its partitions at once.
     ///
     /// # Errors
     /// [`JobError::Failed`] when a task failed the container.
     pub async fn wait(self) -> Result<(), JobError> {
-        match self.exit.await {
+        let exit = self.exit.await;
+        if let Some((m, _)) = &self.membership {
+            let _ = m.send(Deregister).await;
+        }
+        match exit {
             Ok(ContainerExit::Completed) => Ok(()),
             Ok(ContainerExit::Failed(reason)) => Err(JobError::Failed(reason)),
             Err(_) => Err(JobError::Failed("the container stopped without reporting".into())),
@@ -438,13 +768,22 @@ impl RunningJob {
     }
 }
 
+#[derive(Debug, Clone)]
+enum Stopper {
+    Container(Addr<Container>),
+    Node(Addr<Membership>),
+}
+
 /// Stops a running job.
 #[derive(Debug, Clone)]
-pub struct JobStopper(Addr<Container>);
+pub struct JobStopper(Stopper);
 
 impl JobStopper {
     /// Asks the job to stop gracefully.
     pub fn stop(&self) {
-        self.0.do_send(StopContainer);
+        match &self.0 {
+            Stopper::Container(c) => c.do_send(StopContainer),
+            Stopper::Node(m) => m.do_send(Leave(LeaveReason::Requested)),
+        }
     }
 }

@@ -9,10 +9,13 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod assignment;
+pub mod cluster;
 pub mod config;
 pub mod container;
 pub mod events;
 pub mod job;
+pub mod membership;
 pub mod reaper;
 pub mod retry;
 pub mod state;

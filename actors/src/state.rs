@@ -111,6 +111,8 @@ pub struct TaskState<M> {
     failed: Option<String>,
     committable: BTreeMap<InputId, u64>,
     committed: BTreeMap<InputId, u64>,
+    /// `Some(credits)` while intake is paused: only that many more envelopes start.
+    paused: Option<u32>,
 }
 
 impl<M> TaskState<M> {
@@ -148,7 +150,34 @@ impl<M> TaskState<M> {
             failed: None,
             committable: BTreeMap::new(),
             committed: BTreeMap::new(),
+            paused: None,
         }
+    }
+
+    /// Pauses intake: no envelope starts (commits, windows and timers still run).
+    pub fn pause(&mut self) {
+        self.paused.get_or_insert(0);
+    }
+
+    /// Resumes intake.
+    pub fn resume(&mut self) {
+        self.paused = None;
+    }
+
+    /// While paused: lets exactly one more envelope start. Returns whether paused.
+    pub fn step(&mut self) -> bool {
+        match &mut self.paused {
+            Some(credits) => {
+                *credits += 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether intake is paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
     }
 
     /// Queues an envelope; returns its order.
@@ -299,7 +328,12 @@ impl<M> TaskState<M> {
         } else if self.should_drain && self.pending.is_empty() {
             self.complete = true;
             Op::Drain
+        } else if self.paused == Some(0) {
+            Op::NoOp
         } else if let Some(p) = self.pending.pop_front() {
+            if let Some(credits) = &mut self.paused {
+                *credits -= 1;
+            }
             self.in_flight += 1;
             self.outstanding.entry(p.input).or_default().insert(p.order, false);
             self.input_of.insert(p.order, p.input);
@@ -726,5 +760,25 @@ mod tests {
         assert!(matches!(s.next_op(now()), Op::NoOp), "timer blocks process");
         s.timer_done();
         assert_eq!(expect_process(&mut s).msg, "b");
+    }
+
+    #[test]
+    fn paused_intake_starts_nothing_but_steps_exactly_one_at_a_time() {
+        let mut s = task(4, false);
+        for m in ["a", "b", "c"] {
+            s.insert(0, EnvelopeKind::Data, m);
+        }
+        s.pause();
+        assert!(matches!(s.next_op(now()), Op::NoOp), "paused: nothing starts");
+        s.request_commit();
+        assert!(matches!(s.next_op(now()), Op::Commit), "commits still run while paused");
+        s.commit_done(BTreeMap::new());
+        assert!(s.step());
+        assert_eq!(expect_process(&mut s).msg, "a");
+        assert!(matches!(s.next_op(now()), Op::NoOp), "one step, one message");
+        s.resume();
+        assert!(!s.step(), "step does nothing when not paused");
+        assert_eq!(expect_process(&mut s).msg, "b");
+        assert_eq!(expect_process(&mut s).msg, "c");
     }
 }

@@ -17,6 +17,11 @@
 //! ping_interval = "3s"
 //! connect_timeout = "5s"
 //! request_timeout = "5s"
+//!
+//! [cluster]
+//! lease_ttl = "6s"               # a dead node's partitions move within about this long
+//! settle = "2s"                  # membership must be stable this long before partitions move
+//! max_moves = 2                  # partitions a node hands over per step
 //! ```
 //!
 //! A file with an unknown key or a bad value is refused with the key and its line.
@@ -132,6 +137,22 @@ fn ser_duration<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::O
     }
 }
 
+/// How a node takes part in its cluster (JetStream only).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterSettings {
+    /// A partition lease (and a node's membership) expires this long after its last
+    /// renewal; default 6s.
+    #[serde(default, deserialize_with = "duration", serialize_with = "ser_duration")]
+    pub lease_ttl: Option<Duration>,
+    /// Membership must be stable this long before partitions move between live nodes;
+    /// default 2s.
+    #[serde(default, deserialize_with = "duration", serialize_with = "ser_duration")]
+    pub settle: Option<Duration>,
+    /// Partitions a node hands over per step; default 2.
+    pub max_moves: Option<usize>,
+}
+
 /// The node configuration: what a file holds, and what the merge produces.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -149,6 +170,9 @@ pub struct NodeConfig {
     /// NATS connection settings.
     #[serde(default)]
     pub connect: ConnectConfig,
+    /// Cluster timing.
+    #[serde(default)]
+    pub cluster: ClusterSettings,
 }
 
 impl NodeConfig {
@@ -174,7 +198,14 @@ impl NodeConfig {
     pub fn over(self, lower: NodeConfig) -> NodeConfig {
         let c = self.connect;
         let l = lower.connect;
+        let k = self.cluster;
+        let lk = lower.cluster;
         NodeConfig {
+            cluster: ClusterSettings {
+                lease_ttl: k.lease_ttl.or(lk.lease_ttl),
+                settle: k.settle.or(lk.settle),
+                max_moves: k.max_moves.or(lk.max_moves),
+            },
             nats: self.nats.or(lower.nats),
             node_id: self.node_id.or(lower.node_id),
             run_id: self.run_id.or(lower.run_id),
@@ -254,6 +285,37 @@ impl NodeConfig {
         Ok(Some(opts))
     }
 
+    /// The cluster timing these settings give.
+    ///
+    /// # Errors
+    /// [`ConfigError::Value`] for a lease TTL under 1s or over 10 minutes, or zero moves.
+    pub fn cluster_config(&self) -> Result<flotilla_actors::cluster::ClusterConfig, ConfigError> {
+        let mut c = flotilla_actors::cluster::ClusterConfig::default();
+        if let Some(ttl) = self.cluster.lease_ttl {
+            if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&ttl) {
+                return Err(ConfigError::Value {
+                    setting: "cluster.lease_ttl (--lease-ttl)".into(),
+                    problem: format!("{ttl:?} is out of range: give 1s to 10m (renewals run every third of it)"),
+                });
+            }
+            c.lease_ttl = ttl;
+            c.node_ttl = ttl;
+        }
+        if let Some(settle) = self.cluster.settle {
+            c.settle = settle;
+        }
+        if let Some(moves) = self.cluster.max_moves {
+            if moves == 0 {
+                return Err(ConfigError::Value {
+                    setting: "cluster.max_moves".into(),
+                    problem: "0 would never rebalance: give 1 or more".into(),
+                });
+            }
+            c.max_moves = moves;
+        }
+        Ok(c)
+    }
+
     /// The configuration as TOML, secrets redacted.
     pub fn to_toml_redacted(&self) -> String {
         let mut shown = self.clone();
@@ -329,6 +391,17 @@ request_timeout = "750ms"
         let err = c.jetstream_options("n").expect_err("user without password");
         assert!(err.to_string().contains("connect.user"), "{err}");
         assert!(NodeConfig::default().jetstream_options("n").expect("ok").is_none(), "embedded without URLs");
+    }
+
+    #[test]
+    fn cluster_settings_parse_and_are_checked() {
+        let c = NodeConfig::from_toml("[cluster]\nlease_ttl = \"3s\"\nmax_moves = 4\n").expect("parses");
+        let k = c.cluster_config().expect("valid");
+        assert_eq!((k.lease_ttl, k.node_ttl, k.max_moves), (Duration::from_secs(3), Duration::from_secs(3), 4));
+        let c = NodeConfig::from_toml("[cluster]\nlease_ttl = \"100ms\"\n").expect("parses");
+        assert!(c.cluster_config().expect_err("too short").to_string().contains("lease_ttl"));
+        let err = NodeConfig::from_toml("[cluster]\nlease = \"3s\"\n").expect_err("unknown key");
+        assert!(err.contains("lease") && err.contains("line 2"), "{err}");
     }
 
     #[test]

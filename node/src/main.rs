@@ -2,7 +2,7 @@
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use flotilla_node::NodeArgs;
+use flotilla_node::{ControlCommand, NodeArgs};
 use flotilla_transport::broker::Feature;
 
 #[derive(Parser)]
@@ -10,6 +10,9 @@ use flotilla_transport::broker::Feature;
 struct Cli {
     #[command(flatten)]
     node: NodeArgs,
+    /// The job to control (control commands only).
+    #[arg(long, env = "FLOTILLA_JOB", global = true)]
+    job: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -20,11 +23,24 @@ enum Command {
     Info,
     /// Show the effective configuration (flags over FLOTILLA_* variables over the file), secrets redacted.
     Config,
+    /// Control a running job's nodes (status, drain, stop, shutdown, pause, resume, step).
+    #[command(flatten)]
+    Control(ControlCommand),
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Command::Control(command) = cli.command {
+        let Some(job) = cli.job else {
+            eprintln!("error: control commands need --job NAME (or FLOTILLA_JOB): the job whose nodes to control");
+            std::process::exit(2);
+        };
+        std::process::exit(flotilla_node::runner::control(&cli.node, &job, command));
+    }
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(tools(cli))
+}
+
+async fn tools(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => {
             let broker = cli.node.connect("flotilla-cli").await.context("connecting to the broker")?;
@@ -41,6 +57,7 @@ async fn main() -> anyhow::Result<()> {
             let config = cli.node.resolve()?;
             print!("{}", config.to_toml_redacted());
         }
+        Command::Control(_) => unreachable!("handled in main"),
     }
     Ok(())
 }

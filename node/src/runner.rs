@@ -8,6 +8,7 @@
 
 use crate::config::{ConfigError, ConnectConfig, NodeConfig, Urls};
 use crate::connect::{BrokerChoice, connect};
+use crate::control::ControlCommand;
 use flotilla_actors::{Job, JobError, JobStopper};
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use std::future::Future;
@@ -62,6 +63,9 @@ pub struct NodeArgs {
     /// Client certificate key (PEM).
     #[arg(long, env = "FLOTILLA_NATS_TLS_KEY", global = true)]
     pub nats_tls_key: Option<PathBuf>,
+    /// Partition lease TTL: a dead node's partitions move within about this long (default 6s).
+    #[arg(long, env = "FLOTILLA_LEASE_TTL", global = true, value_parser = crate::config::parse_duration)]
+    pub lease_ttl: Option<std::time::Duration>,
 }
 
 impl NodeArgs {
@@ -84,6 +88,7 @@ impl NodeArgs {
                 tls_key: self.nats_tls_key.clone(),
                 ..ConnectConfig::default()
             },
+            cluster: crate::config::ClusterSettings { lease_ttl: self.lease_ttl, ..Default::default() },
         }
     }
 
@@ -122,6 +127,8 @@ impl NodeArgs {
 
 fn default_node_id() -> String {
     let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "node".into());
+    // Node ids go into subjects and keys: keep letters, digits, '-' and '_'.
+    let host: String = host.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '-' }).collect();
     format!("{host}-{}", std::process::id())
 }
 
@@ -218,7 +225,12 @@ where
             None => job,
         };
         let name = job.name().to_owned();
-        let running = job.start(broker.clone()).await?;
+        let running = if embedded {
+            // One process holds the whole embedded broker: no cluster to join.
+            job.start(broker.clone()).await?
+        } else {
+            job.start_node(broker.clone(), &node_id, config.cluster_config()?).await?
+        };
         let info = broker.server();
         info!(job = %name, node = %node_id, broker = ?info.kind, server = %info.version, run = %running.run_id(), "job started");
         let handle = NodeHandle {
@@ -226,7 +238,7 @@ where
             stopper: running.stopper(),
             embedded,
             run_id: running.run_id().to_owned(),
-            node_id,
+            node_id: node_id.clone(),
         };
         let stopper = running.stopper();
         actix::spawn(async move {
@@ -238,7 +250,12 @@ where
             std::process::exit(130);
         });
         actix::spawn(driver(handle));
-        running.wait().await.map_err(NodeError::from)
+        let left = running.left();
+        let result = running.wait().await;
+        if let Some(reason) = left.and_then(|rx| *rx.borrow()) {
+            info!(node = %node_id, ?reason, "node left the cluster");
+        }
+        result.map_err(NodeError::from)
     })
 }
 
@@ -280,8 +297,52 @@ impl JobRunner for Job {
         struct Cli {
             #[command(flatten)]
             node: NodeArgs,
+            /// Without a command the binary runs a node of the job; with one it controls
+            /// the job's running nodes.
+            #[command(subcommand)]
+            command: Option<ControlCommand>,
         }
         let cli = <Cli as clap::Parser>::parse();
-        run(self, cli.node, |_| async {})
+        match cli.command {
+            Some(command) => std::process::exit(control(&cli.node, self.name(), command)),
+            None => run(self, cli.node, |_| async {}),
+        }
     }
+}
+
+/// Runs a control command against the running nodes of `job` and returns the exit code
+/// (0 done, 1 not done in time, 2 refused or bad input). Prints what happens.
+pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
+    let config = match args.resolve() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    if config.urls().is_empty() {
+        eprintln!(
+            "error: control commands need --nats URL (or FLOTILLA_NATS): they talk to nodes through NATS, and the embedded broker lives inside one process"
+        );
+        return 2;
+    }
+    let _ =
+        init_logging(&NodeConfig { log: Some(config.log.clone().unwrap_or_else(|| "warn".into())), ..config.clone() });
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    runtime.block_on(async move {
+        let broker = match connect_config(&config, "flotilla-control").await {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        crate::control::run_command(broker, job, command).await
+    })
 }

@@ -103,15 +103,16 @@ pub async fn provision_ordered(
     Ok(())
 }
 
-/// Takes over an ordered partition: when its consumer holds deliveries nobody will ack
-/// (a previous owner died), recreates it at the committed position so processing
-/// resumes at once and in order. Returns whether it reset the consumer.
+/// Takes over an ordered partition: when its consumer delivered beyond the committed
+/// position (a previous owner died, or handed over what it had claimed but not
+/// started), recreates it at the committed position so processing resumes at once, in
+/// order, and as first deliveries. Returns whether it reset the consumer.
 ///
 /// # Errors
 /// Whatever the broker returns.
 pub async fn take_over_partition(broker: &SharedBroker, js_stream: &str, spec: ConsumerSpec) -> BrokerResult<bool> {
     let state = broker.consumer_state(js_stream, &spec.name).await?;
-    if state.num_ack_pending == 0 {
+    if state.num_ack_pending == 0 && state.delivered <= state.ack_floor {
         return Ok(false);
     }
     tracing::info!(

@@ -16,13 +16,13 @@
 
 mod messages;
 
-pub use messages::{ContainerExit, StopContainer};
+pub use messages::{AddSlot, ContainerExit, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
 
 use crate::config::FailurePolicy;
 use crate::events::{Event, emit};
 use crate::reaper::{Reaper, Sweep};
 use crate::state::{CoordinatorRequests, ShutdownScope};
-use crate::task_worker::{Deliver, Outcome, StopWorker, WorkerReport};
+use crate::task_worker::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::SharedBroker;
@@ -39,6 +39,8 @@ pub struct WorkerHandle {
     pub deliver: Recipient<Deliver>,
     /// Where stop requests go.
     pub stop: Recipient<StopWorker>,
+    /// Where pause, resume and step go.
+    pub control: Recipient<WorkerControl>,
 }
 
 /// What the container needs to start a worker for a slot.
@@ -75,6 +77,10 @@ pub struct SlotSpec {
     /// Ordered inputs: the partition consumer, reset at the committed position before a
     /// restarted task starts (so it resumes in order, at once).
     pub takeover: Option<flotilla_transport::broker::ConsumerSpec>,
+    /// The partition's lease epoch (0 without leases).
+    pub epoch: u64,
+    /// Starts paused.
+    pub paused: bool,
     /// Starts the worker.
     pub spawn: SpawnWorker,
 }
@@ -100,6 +106,35 @@ struct Slot {
     restarts: u32,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
+    paused: bool,
+    step_credits: u32,
+    deliveries: u64,
+    redeliveries: u64,
+    /// The worker ended while a claim was out: tell the observer when it returns (so
+    /// the next owner never competes with this node's outstanding pull).
+    ended: Option<Outcome>,
+}
+
+impl Slot {
+    fn new(spec: SlotSpec) -> Self {
+        let paused = spec.paused;
+        Self {
+            spec,
+            worker: None,
+            outstanding: 0,
+            claiming: false,
+            finished: false,
+            failures: 0,
+            backoff_until: None,
+            restarts: 0,
+            stopping: false,
+            paused,
+            step_credits: 0,
+            deliveries: 0,
+            redeliveries: 0,
+            ended: None,
+        }
+    }
 }
 
 /// Container settings.
@@ -147,7 +182,14 @@ pub struct Container {
     strikes: u32,
     degraded: bool,
     backlog_check_running: bool,
+    /// Cluster mode: slots come and go, and whoever holds the leases hears when one ends.
+    observer: Option<Recipient<SlotEnded>>,
+    /// Cluster mode: builds the slot of an ordered partition whose lease was acquired.
+    partitions: Option<PartitionFactory>,
 }
+
+/// Builds the slot of an ordered partition: `(stream, partition, epoch, fence, paused)`.
+pub type PartitionFactory = std::rc::Rc<dyn Fn(&str, u32, u64, crate::cluster::Fence, bool) -> Option<SlotSpec>>;
 
 impl std::fmt::Debug for Container {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -170,20 +212,7 @@ impl Container {
         exit: oneshot::Sender<ContainerExit>,
     ) -> Self {
         let requests = CoordinatorRequests::new(0..slots.len());
-        let slots = slots
-            .into_iter()
-            .map(|spec| Slot {
-                spec,
-                worker: None,
-                outstanding: 0,
-                claiming: false,
-                finished: false,
-                failures: 0,
-                backoff_until: None,
-                restarts: 0,
-                stopping: false,
-            })
-            .collect();
+        let slots = slots.into_iter().map(Slot::new).collect();
         Self {
             broker,
             subjects,
@@ -198,7 +227,29 @@ impl Container {
             strikes: 0,
             degraded: false,
             backlog_check_running: false,
+            observer: None,
+            partitions: None,
         }
+    }
+
+    /// Cluster mode: slots are added and released as leases come and go, `observer`
+    /// hears when each ends, and the container runs until it is stopped (a drained
+    /// partition does not end it).
+    pub fn observed_by(mut self, observer: Recipient<SlotEnded>, partitions: PartitionFactory) -> Self {
+        self.observer = Some(observer);
+        self.partitions = Some(partitions);
+        self
+    }
+
+    /// Tells the observer (cluster mode) that slot `i` ended, once no claim is out.
+    fn report_ended(&mut self, i: usize, outcome: Outcome) {
+        let Some(observer) = &self.observer else { return };
+        let Some(s) = self.slots.get_mut(i) else { return };
+        if s.claiming {
+            s.ended = Some(outcome);
+            return;
+        }
+        observer.do_send(SlotEnded { slot: i, stream: s.spec.stream.clone(), partition: s.spec.partition, outcome });
     }
 
     fn spawn_worker(&mut self, i: usize, ctx: &mut Context<Self>) {
@@ -209,6 +260,9 @@ impl Container {
             reaper: self.reaper.clone(),
         };
         let handle = (self.slots[i].spec.spawn)(sc);
+        if self.slots[i].paused {
+            handle.control.do_send(WorkerControl::Pause);
+        }
         let slot = &mut self.slots[i];
         slot.worker = Some(handle);
         slot.outstanding = 0;
@@ -232,7 +286,12 @@ impl Container {
             {
                 continue;
             }
-            let free = slot.spec.capacity.saturating_sub(slot.outstanding);
+            let mut free = slot.spec.capacity.saturating_sub(slot.outstanding);
+            if slot.paused {
+                // Paused: claim only for steps.
+                free = free.min(slot.step_credits as usize);
+                slot.step_credits = 0;
+            }
             if free == 0 {
                 continue;
             }
@@ -255,6 +314,12 @@ impl Container {
         let subjects = self.subjects.clone();
         let slot = &mut self.slots[i];
         slot.claiming = false;
+        if let Some(outcome) = slot.ended.take() {
+            // Whatever the claim brought is left unacked for the next owner.
+            self.report_ended(i, outcome);
+            return;
+        }
+        let slot = &mut self.slots[i];
         match result {
             Ok(batch) => {
                 if slot.failures > 0 {
@@ -267,7 +332,13 @@ impl Container {
                 match &slot.worker {
                     Some(w) if !slot.finished && !slot.stopping => {
                         slot.outstanding += batch.len();
+                        slot.deliveries += batch.len() as u64;
+                        slot.redeliveries += batch.iter().filter(|d| d.info.delivered > 1).count() as u64;
                         w.deliver.do_send(Deliver(batch));
+                    }
+                    _ if slot.spec.partition.is_some() => {
+                        // Ordered: leave them; the partition's next owner recreates
+                        // its consumer at the committed position.
                     }
                     _ => {
                         // Nobody to take them: hand them back at once.
@@ -425,7 +496,8 @@ impl Handler<WorkerReport> for Container {
             }
             WorkerReport::ShutdownRequested { slot, scope } => {
                 self.requests.request(slot, scope);
-                if self.requests.should_shutdown() {
+                let all = scope == ShutdownScope::AllTasksInContainer;
+                if (self.observer.is_none() || all) && self.requests.should_shutdown() {
                     info!(?scope, "tasks asked to shut down the container");
                     self.stop_all(ctx);
                 } else if scope == ShutdownScope::CurrentTask
@@ -437,6 +509,7 @@ impl Handler<WorkerReport> for Container {
                 }
             }
             WorkerReport::Finished { slot, outcome } => {
+                let outcome_copy = outcome.clone();
                 let Some(s) = self.slots.get_mut(slot) else { return };
                 s.finished = true;
                 s.outstanding = 0;
@@ -464,7 +537,7 @@ impl Handler<WorkerReport> for Container {
                             });
                         }
                     },
-                    Outcome::Drained | Outcome::EndOfStream => {
+                    Outcome::Drained | Outcome::EndOfStream if self.observer.is_none() => {
                         self.requests.request(slot, ShutdownScope::CurrentTask);
                         if self.requests.should_shutdown() {
                             self.stop_all(ctx);
@@ -472,12 +545,115 @@ impl Handler<WorkerReport> for Container {
                     }
                     _ => {}
                 }
+                let restarting = self.slots.get(slot).is_some_and(|s| s.worker.is_none()) && !self.stopping;
+                if !restarting {
+                    self.report_ended(slot, outcome_copy);
+                }
                 if self.stopping {
                     self.maybe_exit(ctx);
                 }
             }
         }
         self.pump(ctx);
+    }
+}
+
+impl Handler<AddSlot> for Container {
+    type Result = Option<usize>;
+
+    fn handle(&mut self, add: AddSlot, ctx: &mut Context<Self>) -> Option<usize> {
+        let factory = self.partitions.as_ref()?;
+        let spec = factory(&add.stream, add.partition, add.epoch, add.fence, add.paused)?;
+        let i = self.slots.len();
+        info!(stream = %spec.stream, partition = ?spec.partition, epoch = spec.epoch, "consuming a partition");
+        self.slots.push(Slot::new(spec));
+        if self.stopping {
+            // Too late to start: report it ended, so its lease is released.
+            self.slots[i].finished = true;
+            self.report_ended(i, Outcome::Stopped);
+            return Some(i);
+        }
+        self.spawn_worker(i, ctx);
+        self.pump(ctx);
+        Some(i)
+    }
+}
+
+impl Handler<ReleaseSlot> for Container {
+    type Result = ();
+
+    fn handle(&mut self, ReleaseSlot(i): ReleaseSlot, _: &mut Context<Self>) {
+        if let Some(s) = self.slots.get_mut(i)
+            && !s.finished
+            && !s.stopping
+        {
+            info!(stream = %s.spec.stream, partition = ?s.spec.partition, "handing a partition over");
+            s.stopping = true;
+            match &s.worker {
+                Some(w) => w.stop.do_send(StopWorker),
+                None => {
+                    // Waiting for a restart: nothing runs, it ends now.
+                    s.finished = true;
+                    self.report_ended(i, Outcome::Stopped);
+                }
+            }
+        }
+    }
+}
+
+impl Handler<SetPaused> for Container {
+    type Result = ();
+
+    fn handle(&mut self, msg: SetPaused, ctx: &mut Context<Self>) {
+        if let Some(s) = self.slots.get_mut(msg.slot)
+            && s.paused != msg.paused
+        {
+            s.paused = msg.paused;
+            s.step_credits = 0;
+            if let Some(w) = &s.worker {
+                w.control.do_send(if msg.paused { WorkerControl::Pause } else { WorkerControl::Resume });
+            }
+        }
+        self.pump(ctx);
+    }
+}
+
+impl Handler<StepSlot> for Container {
+    type Result = ();
+
+    fn handle(&mut self, StepSlot(i): StepSlot, ctx: &mut Context<Self>) {
+        if let Some(s) = self.slots.get_mut(i)
+            && s.paused
+        {
+            s.step_credits += 1;
+            if let Some(w) = &s.worker {
+                w.control.do_send(WorkerControl::Step);
+            }
+        }
+        self.pump(ctx);
+    }
+}
+
+impl Handler<Snapshot> for Container {
+    type Result = MessageResult<Snapshot>;
+
+    fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(
+            self.slots
+                .iter()
+                .filter(|s| !s.finished)
+                .map(|s| crate::cluster::SlotStatus {
+                    stream: s.spec.stream.clone(),
+                    partition: s.spec.partition,
+                    epoch: s.spec.epoch,
+                    in_flight: s.outstanding as u64,
+                    deliveries: s.deliveries,
+                    redeliveries: s.redeliveries,
+                    paused: s.paused,
+                    state: if s.stopping { "stopping" } else { "running" }.to_owned(),
+                })
+                .collect(),
+        )
     }
 }
 

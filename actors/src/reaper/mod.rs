@@ -3,8 +3,9 @@
 //! It moves poison and undecodable messages to the dead-letter stream with the reason
 //! (the worker then skips or terminates them), and sweeps queue inputs for messages
 //! stranded at the consumer's max deliveries — JetStream keeps those in the stream,
-//! invisible, forever. Taking over partitions whose lease expired joins it with the
-//! cluster layer.
+//! invisible, forever. In a cluster it acquires partition leases that expired (their
+//! holder died), taking the partition's consumer over at the committed position, and
+//! removes what departed nodes left in the control bucket.
 //!
 //! Supervision: started by the job runner on the container's arbiter; every operation
 //! is idempotent (dead letters carry `Nats-Msg-Id: dlq-<stream>-<seq>`), so a restart
@@ -12,7 +13,7 @@
 
 mod messages;
 
-pub use messages::{DeadLetter, Sweep};
+pub use messages::{AcquireLease, DeadLetter, Sweep, Tidy};
 
 use crate::events::{Event, emit};
 use actix::prelude::*;
@@ -136,6 +137,49 @@ impl Handler<Sweep> for Reaper {
             }
             debug!(stream = %msg.js_stream, moved, "sweep done");
             Ok(moved)
+        })
+    }
+}
+
+impl Handler<AcquireLease> for Reaper {
+    type Result = ResponseFuture<Result<Option<u64>, BrokerError>>;
+
+    fn handle(&mut self, msg: AcquireLease, _: &mut Context<Self>) -> Self::Result {
+        let broker = self.broker.clone();
+        Box::pin(async move {
+            let revision = match broker.kv_create(&msg.bucket, &msg.key, msg.value).await {
+                Ok(rev) => rev,
+                Err(BrokerError::KvKeyExists { .. } | BrokerError::KvWrongRevision { .. }) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            if let Some(spec) = msg.consumer
+                && let Err(e) = flotilla_transport::topology::take_over_partition(&broker, &msg.js_stream, spec).await
+            {
+                // Keep the lease: the worker resumes wherever the consumer is, and
+                // redeliveries after ack-wait cover what a dead owner left.
+                tracing::warn!(key = %msg.key, error = %e, "could not reset the partition's consumer after acquiring it");
+            }
+            Ok(Some(revision))
+        })
+    }
+}
+
+impl Handler<Tidy> for Reaper {
+    type Result = ResponseFuture<Result<usize, BrokerError>>;
+
+    fn handle(&mut self, msg: Tidy, _: &mut Context<Self>) -> Self::Result {
+        let broker = self.broker.clone();
+        Box::pin(async move {
+            let mut removed = 0;
+            for key in broker.kv_keys(&msg.control).await? {
+                if let Some(node) = key.strip_prefix("stop.")
+                    && !msg.live.contains(node)
+                {
+                    broker.kv_delete(&msg.control, &key, None).await?;
+                    removed += 1;
+                }
+            }
+            Ok(removed)
         })
     }
 }

@@ -13,6 +13,18 @@ pub struct Deliver(pub Vec<Delivery>);
 #[rtype(result = "()")]
 pub struct StopWorker;
 
+/// Intake control (pause, resume, step) for a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Message)]
+#[rtype(result = "()")]
+pub enum WorkerControl {
+    /// Start no more messages (commits, windows and timers go on).
+    Pause,
+    /// Start messages again.
+    Resume,
+    /// While paused, start exactly one more message.
+    Step,
+}
+
 /// How a worker ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {

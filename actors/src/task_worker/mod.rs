@@ -25,7 +25,7 @@
 
 mod messages;
 
-pub use messages::{Deliver, Outcome, StopWorker, WorkerReport};
+pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
@@ -61,11 +61,19 @@ pub struct Binding {
     pub slot: usize,
     /// The partition's fencing epoch (0 without leases).
     pub epoch: u64,
+    /// Whether this node may still act for the partition (cluster mode): once it is not
+    /// valid, the worker starts, publishes and commits nothing more and stops.
+    pub fence: Option<crate::cluster::Fence>,
 }
 
 impl Binding {
     fn ordered(&self) -> bool {
         matches!(self.kind, StreamKind::Ordered { .. })
+    }
+
+    /// The partition's lease is gone (or could not be renewed in time).
+    fn fenced(&self) -> bool {
+        self.fence.as_ref().is_some_and(|f| !f.valid())
     }
 }
 
@@ -234,6 +242,10 @@ impl<T: Task> TaskWorker<T> {
 
     /// Runs the next operations the state machine allows while the task is home.
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        if self.binding.fenced() {
+            self.abort_fenced(ctx);
+            return;
+        }
         while !self.finished && self.task.is_some() && self.state.failure().is_none() {
             if let Some(order) = self.retries.pop_front() {
                 self.start_attempt(order, ctx);
@@ -419,6 +431,10 @@ impl<T: Task> TaskWorker<T> {
 
     fn pump_publish(&mut self, ctx: &mut Context<Self>) {
         if self.publishing || self.finished {
+            return;
+        }
+        if self.binding.fenced() {
+            self.abort_fenced(ctx);
             return;
         }
         let Some(flush) = self.publish_queue.pop_front() else { return };
@@ -675,6 +691,10 @@ impl<T: Task> TaskWorker<T> {
 
     /// Acknowledges everything up to the committable positions.
     fn commit_positions(&mut self) {
+        if self.binding.fenced() {
+            // Another node may own the partition now: acking here could skip its work.
+            return;
+        }
         let positions = self.state.committable().clone();
         let mut count = 0;
         if let Some(&pos) = positions.get(&0) {
@@ -734,24 +754,50 @@ impl<T: Task> TaskWorker<T> {
         for p in unstarted {
             self.claimed.remove(&p.order);
             self.known.remove(&p.msg.info.stream_seq);
-            self.ack(&p.msg.token, AckKind::Nak(None));
+            self.hand_back(&p.msg.token);
         }
         if count > 0 {
             self.report(WorkerReport::Completed { slot: self.binding.slot, count });
         }
     }
 
+    /// Gives a claimed, unfinished message back. Queue inputs nak it (no delay) so any
+    /// node gets it at once. Ordered inputs leave it: whoever runs the partition next
+    /// recreates its consumer at the committed position, so it is delivered again as a
+    /// first delivery (a nak would count a delivery, and a stale nak could reach the
+    /// recreated consumer).
+    fn hand_back(&self, token: &AckToken) {
+        if !self.binding.ordered() {
+            self.ack(token, AckKind::Nak(None));
+        }
+    }
+
     /// Naks every message held and not finished, without delay.
     fn release_all(&mut self) {
         for p in self.state.take_unstarted() {
-            self.ack(&p.msg.token, AckKind::Nak(None));
+            self.hand_back(&p.msg.token);
         }
         let inflight: Vec<Envelope> = self.inflight.drain().map(|(_, e)| e).collect();
         for e in inflight {
-            self.ack(&e.delivery.token, AckKind::Nak(None));
+            self.hand_back(&e.delivery.token);
         }
         self.claimed.clear();
         self.known.clear();
+    }
+
+    /// The partition's lease is lost: act no more for it. Nothing is acked, nak'd or
+    /// published; the new owner resumes at the committed position.
+    fn abort_fenced(&mut self, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, in_flight = self.inflight.len(), "lease lost: stopping the partition without acking or publishing more");
+        self.publish_queue.clear();
+        let _ = self.state.take_unstarted();
+        self.inflight.clear();
+        self.claimed.clear();
+        self.known.clear();
+        self.finish(Outcome::Stopped, ctx);
     }
 
     fn finish(&mut self, outcome: Outcome, ctx: &mut Context<Self>) {
@@ -785,6 +831,9 @@ impl<T: Task> TaskWorker<T> {
     }
 
     fn heartbeat(&mut self) {
+        if self.binding.fenced() {
+            return;
+        }
         let now = Instant::now();
         let third = self.config.ack_wait / 3;
         if self.binding.ordered() {
@@ -844,7 +893,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
         let mut dropped = 0;
         for d in msg.0 {
             if self.stopping || self.finished {
-                self.ack(&d.token, AckKind::Nak(None));
+                self.hand_back(&d.token);
                 dropped += 1;
                 continue;
             }
@@ -895,6 +944,23 @@ impl<T: Task> Handler<StopWorker> for TaskWorker<T> {
     }
 }
 
+impl<T: Task> Handler<WorkerControl> for TaskWorker<T> {
+    type Result = ();
+
+    fn handle(&mut self, control: WorkerControl, ctx: &mut Context<Self>) {
+        match control {
+            WorkerControl::Pause => self.state.pause(),
+            WorkerControl::Resume => self.state.resume(),
+            WorkerControl::Step => {
+                if !self.state.step() {
+                    debug!(stream = self.binding.stream, partition = ?self.binding.partition, "step ignored: not paused");
+                }
+            }
+        }
+        self.drive(ctx);
+    }
+}
+
 impl<T: Task> Handler<Tick> for TaskWorker<T> {
     type Result = ();
 
@@ -922,7 +988,7 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
                 self.state.request_timer();
             }
             Tick::Retry(order) => self.retries.push_back(order),
-            Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) => {}
+            Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan => {}
         }
         self.drive(ctx);
     }

@@ -25,6 +25,8 @@ pub enum Tick {
     Resume,
     /// Restart the task of this container slot.
     Restart(usize),
+    /// Time to renew leases and heartbeats and look at the cluster.
+    Scan,
 }
 
 /// Ticks `target` every `period` until it stops (or the timer is cancelled).

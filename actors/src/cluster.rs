@@ -1,0 +1,349 @@
+//! What the nodes of a job share: the records they keep in the job's KV buckets and the
+//! control requests and replies they exchange (DESIGN §3 mapping, §7). All of it is JSON,
+//! so an operator (or a script in any language) can read and write it.
+//!
+//! | bucket | key | value |
+//! |---|---|---|
+//! | `FLOTILLA_<J>_NODES` (expiry: `node_ttl`) | node id | [`NodeRecord`], rewritten by compare-and-set every `node_ttl / 3` |
+//! | `FLOTILLA_<J>_LEASES` (expiry: `lease_ttl`) | `<stream>.<partition>` | [`LeaseRecord`]; the revision at acquisition is the fencing epoch |
+//! | `FLOTILLA_<J>_CONTROL` (no expiry) | `run`, `topology`, `paused`, `drain`, `drained.<stream>.<p>`, `shutdown`, `stop.<node>` | the desired state |
+//!
+//! Control requests go over core NATS: `flotilla.<J>._ctl.all.<verb>` reaches every node
+//! (scatter-gather: each replies), `flotilla.<J>._ctl.node.<id>.<verb>` one node. Every
+//! request carries a request id; a node remembers the last ids it handled and answers a
+//! repeat without acting again. The KV holds the truth, requests only wake nodes up.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The membership bucket's name (within the job).
+pub const NODES: &str = "NODES";
+/// The lease bucket's name.
+pub const LEASES: &str = "LEASES";
+/// The desired-state bucket's name.
+pub const CONTROL: &str = "CONTROL";
+
+/// Control keys.
+pub mod keys {
+    /// The current run.
+    pub const RUN: &str = "run";
+    /// The job's inputs, so tools need no job code.
+    pub const TOPOLOGY: &str = "topology";
+    /// What is paused.
+    pub const PAUSED: &str = "paused";
+    /// A drain was requested.
+    pub const DRAIN: &str = "drain";
+    /// A shutdown was requested.
+    pub const SHUTDOWN: &str = "shutdown";
+
+    /// The lease key of a partition.
+    pub fn lease(stream: &str, partition: u32) -> String {
+        format!("{stream}.{partition}")
+    }
+
+    /// The key recording that a partition is drained.
+    pub fn drained(stream: &str, partition: u32) -> String {
+        format!("drained.{stream}.{partition}")
+    }
+
+    /// The key asking one node to stop.
+    pub fn stop(node: &str) -> String {
+        format!("stop.{node}")
+    }
+}
+
+/// Cluster timing.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// A lease expires this long after its last renewal (server-side). Renewed every
+    /// third of it; a node stops a partition it could not renew after two thirds.
+    pub lease_ttl: Duration,
+    /// A node's membership expires this long after its last heartbeat.
+    pub node_ttl: Duration,
+    /// How often a node looks at leases, members and the desired state.
+    pub scan_interval: Duration,
+    /// Membership must be unchanged this long before partitions move between live nodes.
+    pub settle: Duration,
+    /// Partitions a node hands over per scan (rebalancing is rate-limited).
+    pub max_moves: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            lease_ttl: Duration::from_secs(6),
+            node_ttl: Duration::from_secs(6),
+            scan_interval: Duration::from_secs(1),
+            settle: Duration::from_secs(2),
+            max_moves: 2,
+        }
+    }
+}
+
+/// A live node (NODES bucket).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    /// The node id.
+    pub node: String,
+    /// Its process id.
+    pub pid: u32,
+    /// Its host name.
+    pub host: String,
+    /// When it started (ms since the Unix epoch).
+    pub started_ms: u64,
+}
+
+/// A partition's holder (LEASES bucket).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    /// The holding node.
+    pub node: String,
+    /// The epoch (the revision at which the holder acquired it; 0 in the first write).
+    pub epoch: u64,
+}
+
+/// The current run (drain markers of other runs are dropped).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRecord {
+    /// The run id.
+    pub run_id: String,
+    /// When it began (ms since the Unix epoch).
+    pub started_ms: u64,
+}
+
+/// One input of the job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputRecord {
+    /// The stream's name.
+    pub stream: String,
+    /// Partitions (ordered inputs); `None` for a queue input.
+    pub partitions: Option<u32>,
+}
+
+/// The job's inputs.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TopologyRecord {
+    /// The inputs.
+    pub inputs: Vec<InputRecord>,
+}
+
+impl TopologyRecord {
+    /// Every ordered `(stream, partition)`.
+    pub fn partitions(&self) -> Vec<(String, u32)> {
+        self.inputs
+            .iter()
+            .filter_map(|i| i.partitions.map(|n| (i.stream.clone(), n)))
+            .flat_map(|(s, n)| (0..n).map(move |p| (s.clone(), p)))
+            .collect()
+    }
+}
+
+/// What is paused: the whole job, some streams, some partitions (`stream/p`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PauseRecord {
+    /// The whole job.
+    pub job: bool,
+    /// Whole streams.
+    pub streams: BTreeSet<String>,
+    /// Single partitions, as `stream/partition`.
+    pub partitions: BTreeSet<String>,
+}
+
+impl PauseRecord {
+    /// Whether a slot of `stream` (and `partition`) is paused.
+    pub fn covers(&self, stream: &str, partition: Option<u32>) -> bool {
+        self.job
+            || self.streams.contains(stream)
+            || partition.is_some_and(|p| self.partitions.contains(&format!("{stream}/{p}")))
+    }
+}
+
+/// A requested drain or shutdown or stop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestRecord {
+    /// The request id.
+    pub request_id: String,
+    /// The run it applies to.
+    pub run_id: String,
+    /// When it was issued (ms since the Unix epoch).
+    pub issued_ms: u64,
+}
+
+/// A partition that processed its drain marker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainedRecord {
+    /// The run it was drained in.
+    pub run_id: String,
+    /// The node that drained it.
+    pub node: String,
+}
+
+/// The verbs nodes answer.
+pub const VERBS: &[&str] = &["status", "pause", "resume", "step", "stop", "shutdown", "drain"];
+
+/// A control request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlRequest {
+    /// Unique per request; a repeat is answered without acting again.
+    pub request_id: String,
+    /// The run the sender believes is current (checked where it matters).
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// The stream it targets (`pause`, `resume`, `step`).
+    #[serde(default)]
+    pub stream: Option<String>,
+    /// The partition it targets.
+    #[serde(default)]
+    pub partition: Option<u32>,
+}
+
+/// A node's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ControlReply {
+    /// The answering node.
+    pub node: String,
+    /// The request answered.
+    pub request_id: String,
+    /// Whether it was accepted.
+    pub ok: bool,
+    /// What happened, for a human.
+    pub message: String,
+    /// The request had been handled before; nothing was done again.
+    #[serde(default)]
+    pub duplicate: bool,
+    /// This node acted on it (for example: it holds the partition it stepped).
+    #[serde(default)]
+    pub acted: bool,
+    /// `status` only.
+    #[serde(default)]
+    pub status: Option<NodeStatus>,
+}
+
+/// One node's state (`status`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// The node id.
+    pub node: String,
+    /// Its process id.
+    pub pid: u32,
+    /// The run it runs.
+    pub run_id: String,
+    /// It is leaving.
+    pub leaving: bool,
+    /// What it consumes.
+    pub slots: Vec<SlotStatus>,
+}
+
+/// One input partition (or queue input) on a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotStatus {
+    /// The stream.
+    pub stream: String,
+    /// The partition (ordered).
+    pub partition: Option<u32>,
+    /// The lease epoch (0 for queue inputs).
+    pub epoch: u64,
+    /// Messages claimed and not finished.
+    pub in_flight: u64,
+    /// Messages delivered to this node for the slot.
+    pub deliveries: u64,
+    /// Of those, redeliveries (delivery count above 1).
+    pub redeliveries: u64,
+    /// Intake is paused.
+    pub paused: bool,
+    /// `running`, `stopping`, `finished`.
+    pub state: String,
+}
+
+/// Whether a node may still act for a partition: valid until a deadline that each
+/// lease renewal pushes out, revoked at once when the lease is lost. Shared between
+/// the lease holder and the partition's worker.
+#[derive(Clone, Default)]
+pub struct Fence(Arc<Mutex<Option<Instant>>>);
+
+impl std::fmt::Debug for Fence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fence(valid: {})", self.valid())
+    }
+}
+
+impl Fence {
+    /// A fence valid until `until`.
+    pub fn until(until: Instant) -> Self {
+        Self(Arc::new(Mutex::new(Some(until))))
+    }
+
+    fn get(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether work for the partition may go on now.
+    pub fn valid(&self) -> bool {
+        self.get().is_some_and(|t| Instant::now() < t)
+    }
+
+    /// Pushes the deadline out (never back).
+    pub fn extend(&self, until: Instant) {
+        let mut guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = *guard {
+            *guard = Some(t.max(until));
+        }
+    }
+
+    /// The lease is lost: nothing more for this partition.
+    pub fn revoke(&self) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = None;
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pause_covers_job_stream_and_partition() {
+        let mut p = PauseRecord::default();
+        assert!(!p.covers("in", Some(1)));
+        p.partitions.insert("in/1".into());
+        assert!(p.covers("in", Some(1)) && !p.covers("in", Some(2)) && !p.covers("in", None));
+        p.streams.insert("jobs".into());
+        assert!(p.covers("jobs", None));
+        p.job = true;
+        assert!(p.covers("other", Some(7)));
+    }
+
+    #[test]
+    fn topology_lists_ordered_partitions_only() {
+        let t = TopologyRecord {
+            inputs: vec![
+                InputRecord { stream: "a".into(), partitions: Some(2) },
+                InputRecord { stream: "q".into(), partitions: None },
+            ],
+        };
+        assert_eq!(t.partitions(), vec![("a".to_string(), 0), ("a".to_string(), 1)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fence_expires_extends_and_revokes() {
+        let f = Fence::until(Instant::now() + Duration::from_secs(2));
+        assert!(f.valid());
+        f.extend(Instant::now() + Duration::from_secs(4));
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert!(f.valid());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(!f.valid());
+        let g = Fence::until(Instant::now() + Duration::from_secs(10));
+        g.revoke();
+        assert!(!g.valid());
+        g.extend(Instant::now() + Duration::from_secs(10));
+        assert!(!g.valid(), "a revoked fence stays revoked");
+    }
+}

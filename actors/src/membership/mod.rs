@@ -1,0 +1,870 @@
+//! `Membership`: this node's place in the cluster (DESIGN §7).
+//!
+//! * **Membership**: the node's key in the NODES bucket, rewritten by compare-and-set
+//!   every third of `node_ttl`; the bucket's expiry is the failure detector. A node
+//!   that loses its key stops every partition and registers again.
+//! * **Leases**: one key per ordered partition in the LEASES bucket. Absent leases that
+//!   the plan gives this node are acquired (through the [`Reaper`], which also takes the
+//!   partition's consumer over at the committed position); held ones are renewed by
+//!   compare-and-set every third of `lease_ttl`. The revision at acquisition is the
+//!   epoch stamped on every output. A partition whose lease could not be renewed within
+//!   two thirds of the TTL is fenced (its worker acts no more) before the lease can
+//!   expire and be taken by another node.
+//! * **Plan**: [`crate::assignment::plan`] over the live nodes and the current holders,
+//!   so every node computes the same fair share. Orphaned partitions are taken at once;
+//!   partitions held by a live node move only after membership has been stable for
+//!   `settle`, at most `max_moves` per scan, by a graceful hand-over (finish, commit,
+//!   delete the lease) so the next owner starts at once and nothing is redelivered.
+//! * **Desired state**: every scan reads the CONTROL bucket (paused, drain, shutdown,
+//!   stop), so a node that was disconnected catches up; control requests on
+//!   `flotilla.<J>._ctl.…` only make it look sooner, and answer `status`.
+//!
+//! Supervision: started by [`Job::start_node`](crate::Job::start_node) on the container's
+//! arbiter after the node registered; ticked by the [`TimerService`]. It stops the
+//! container to leave; [`Deregister`] then removes the node's leases and key.
+
+mod messages;
+
+pub use messages::{ControlMessage, Deregister, Leave, LeaveReason};
+
+use crate::assignment;
+use crate::cluster::{
+    self, ClusterConfig, ControlReply, ControlRequest, DrainedRecord, Fence, LeaseRecord, NodeStatus, PauseRecord,
+    RequestRecord, keys,
+};
+use crate::container::{AddSlot, Container, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
+use crate::reaper::{AcquireLease, Reaper, Tidy};
+use crate::task_worker::Outcome;
+use crate::timer_service::{Every, Tick, TimerService};
+use actix::prelude::*;
+use bytes::Bytes;
+use flotilla_transport::broker::{BrokerError, ConsumerSpec, CoreMessage, KvEntry, SharedBroker};
+use flotilla_transport::wire::Subjects;
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::rc::Rc;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+/// The JetStream stream and consumer of an ordered partition, for taking it over.
+pub type TakeoverSpec = Rc<dyn Fn(&str, u32) -> Option<(String, ConsumerSpec)>>;
+
+/// The job's bucket names.
+#[derive(Debug, Clone)]
+pub struct Buckets {
+    /// Membership.
+    pub nodes: String,
+    /// Partition leases.
+    pub leases: String,
+    /// Desired state.
+    pub control: String,
+}
+
+impl Buckets {
+    /// The buckets of the job `subjects` names.
+    pub fn new(subjects: &Subjects) -> Self {
+        Self {
+            nodes: subjects.bucket_name(cluster::NODES),
+            leases: subjects.bucket_name(cluster::LEASES),
+            control: subjects.bucket_name(cluster::CONTROL),
+        }
+    }
+}
+
+/// Everything the actor needs at start.
+pub struct MembershipSetup {
+    /// The broker.
+    pub broker: SharedBroker,
+    /// The job's subjects.
+    pub subjects: Subjects,
+    /// This node.
+    pub node: String,
+    /// The node key's revision after registering.
+    pub node_revision: u64,
+    /// The node key's value.
+    pub node_value: Bytes,
+    /// The run.
+    pub run_id: String,
+    /// Timing.
+    pub config: ClusterConfig,
+    /// Ordered inputs: `(stream, partitions)`.
+    pub ordered: Vec<(String, u32)>,
+    /// Queue inputs' slots in the container: `(slot, stream)`.
+    pub queue_slots: Vec<(usize, String)>,
+    /// Where each partition's consumer is.
+    pub takeover: TakeoverSpec,
+    /// The container.
+    pub container: Addr<Container>,
+    /// The timer service.
+    pub timers: Addr<TimerService>,
+    /// The reaper.
+    pub reaper: Addr<Reaper>,
+    /// Revision of the `shutdown` key at start (older requests are not for this node).
+    pub shutdown_seen: u64,
+    /// Tells the node process why it left.
+    pub left: tokio::sync::watch::Sender<Option<LeaveReason>>,
+}
+
+impl std::fmt::Debug for MembershipSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MembershipSetup").field("node", &self.node).finish_non_exhaustive()
+    }
+}
+
+type Part = (String, u32);
+
+struct Held {
+    /// When the lease was acquired: views read before say nothing about it.
+    acquired: Instant,
+    revision: u64,
+    epoch: u64,
+    slot: Option<usize>,
+    fence: Fence,
+    last_renew: Instant,
+    renewing: bool,
+    releasing: bool,
+}
+
+/// What one scan read.
+struct View {
+    /// When the reading began.
+    started: Instant,
+    leases: BTreeMap<Part, Option<(KvEntry, Option<LeaseRecord>)>>,
+    nodes: BTreeSet<String>,
+    paused: PauseRecord,
+    drain: Option<RequestRecord>,
+    drained: BTreeSet<Part>,
+    shutdown: Option<KvEntry>,
+    stop: bool,
+}
+
+/// The membership actor.
+pub struct Membership {
+    s: MembershipSetup,
+    buckets: Buckets,
+    held: BTreeMap<Part, Held>,
+    slot_of: HashMap<usize, Part>,
+    members: BTreeSet<String>,
+    members_changed: Instant,
+    unleased_since: HashMap<Part, Instant>,
+    acquiring: HashSet<Part>,
+    scanning: bool,
+    scan_again: bool,
+    beating: bool,
+    last_beat: Instant,
+    registered: bool,
+    leaving: Option<LeaveReason>,
+    paused: PauseRecord,
+    drain: Option<RequestRecord>,
+    drained: BTreeSet<Part>,
+    seen: VecDeque<String>,
+    tidy_at: Instant,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership").field("node", &self.s.node).field("held", &self.held.len()).finish_non_exhaustive()
+    }
+}
+
+const SEEN_REQUESTS: usize = 1024;
+
+impl Membership {
+    /// The actor for a node that has registered.
+    pub fn new(setup: MembershipSetup) -> Self {
+        let now = Instant::now();
+        let buckets = Buckets::new(&setup.subjects);
+        Self {
+            buckets,
+            held: BTreeMap::new(),
+            slot_of: HashMap::new(),
+            members: BTreeSet::new(),
+            members_changed: now,
+            unleased_since: HashMap::new(),
+            acquiring: HashSet::new(),
+            scanning: false,
+            scan_again: false,
+            beating: false,
+            last_beat: now,
+            registered: true,
+            leaving: None,
+            paused: PauseRecord::default(),
+            drain: None,
+            drained: BTreeSet::new(),
+            seen: VecDeque::new(),
+            tidy_at: now,
+            s: setup,
+        }
+    }
+
+    fn partitions(&self) -> Vec<Part> {
+        self.s.ordered.iter().flat_map(|(s, n)| (0..*n).map(move |p| (s.clone(), p))).collect()
+    }
+
+    fn lease_value(&self, epoch: u64) -> Bytes {
+        Bytes::from(serde_json::to_vec(&LeaseRecord { node: self.s.node.clone(), epoch }).unwrap_or_default())
+    }
+
+    /// How long a renewal sent at `sent` keeps the partition ours: two thirds of the
+    /// TTL, so we stop well before the server can expire the lease.
+    fn valid_after(&self, sent: Instant) -> Instant {
+        sent + self.s.config.lease_ttl.mul_f64(2.0 / 3.0)
+    }
+
+    fn scan(&mut self, ctx: &mut Context<Self>) {
+        if self.scanning {
+            self.scan_again = true;
+            return;
+        }
+        self.scanning = true;
+        let broker = self.s.broker.clone();
+        let b = self.buckets.clone();
+        let parts = self.partitions();
+        let node = self.s.node.clone();
+        let started = Instant::now();
+        let fut = async move {
+            // Leases first, then nodes: a lease seen here was taken by a node that had
+            // registered before, so that node is in the list read after.
+            let gets = parts.iter().map(|(s, p)| broker.kv_get(&b.leases, &keys::lease(s, *p)));
+            let got = futures::future::join_all(gets).await;
+            let mut leases = BTreeMap::new();
+            for (part, entry) in parts.into_iter().zip(got) {
+                let entry = entry?;
+                let parsed = entry.map(|e| {
+                    let rec = serde_json::from_slice::<LeaseRecord>(&e.value).ok();
+                    (e, rec)
+                });
+                leases.insert(part, parsed);
+            }
+            let nodes = broker.kv_keys(&b.nodes).await?.into_iter().collect();
+            let paused = match broker.kv_get(&b.control, keys::PAUSED).await? {
+                Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+                None => PauseRecord::default(),
+            };
+            let drain = match broker.kv_get(&b.control, keys::DRAIN).await? {
+                Some(e) => serde_json::from_slice::<RequestRecord>(&e.value).ok(),
+                None => None,
+            };
+            let mut drained = BTreeSet::new();
+            if let Some(d) = &drain {
+                for key in broker.kv_keys(&b.control).await? {
+                    let Some(rest) = key.strip_prefix("drained.") else { continue };
+                    let Some((stream, p)) = rest.rsplit_once('.') else { continue };
+                    let Ok(p) = p.parse::<u32>() else { continue };
+                    if let Some(e) = broker.kv_get(&b.control, &key).await?
+                        && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == d.run_id)
+                    {
+                        drained.insert((stream.to_owned(), p));
+                    }
+                }
+            }
+            let shutdown = broker.kv_get(&b.control, keys::SHUTDOWN).await?;
+            let stop = broker.kv_get(&b.control, &keys::stop(&node)).await?.is_some();
+            Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, shutdown, stop })
+        };
+        ctx.spawn(fut.into_actor(self).map(|view, act, ctx| {
+            act.scanning = false;
+            match view {
+                Ok(view) => act.apply(view, ctx),
+                Err(e) => {
+                    debug!(error = %e, "cluster scan failed; renewing what can be renewed");
+                    act.renew_due(ctx);
+                    act.fence_expired(ctx);
+                }
+            }
+            if std::mem::take(&mut act.scan_again) {
+                act.scan(ctx);
+            }
+        }));
+    }
+
+    fn apply(&mut self, view: View, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        let cfg = self.s.config.clone();
+        if view.nodes != self.members {
+            info!(members = ?view.nodes, "membership changed");
+            self.members = view.nodes.clone();
+            self.members_changed = now;
+        }
+        self.heartbeat(ctx);
+        self.fence_expired(ctx);
+
+        // Held partitions whose lease someone else holds now, or that vanished while
+        // no renewal was under way: lost.
+        let lost: Vec<Part> = self
+            .held
+            .iter()
+            .filter(|(_, h)| view.started > h.acquired)
+            .filter(|(part, h)| match view.leases.get(*part) {
+                Some(Some((_, Some(rec)))) => rec.node != self.s.node,
+                Some(Some((_, None))) => true,
+                Some(None) => !h.renewing && !h.releasing,
+                None => false,
+            })
+            .map(|(p, _)| p.clone())
+            .collect();
+        for part in lost {
+            self.lose(&part, "the lease is held by another node or expired");
+        }
+        self.renew_due(ctx);
+
+        // Desired state.
+        if view.paused != self.paused {
+            self.paused = view.paused.clone();
+            self.apply_pause();
+        }
+        self.drain = view.drain.clone();
+        self.drained = view.drained.clone();
+        if let Some(e) = &view.shutdown
+            && e.revision > self.s.shutdown_seen
+            && self.leaving.is_none()
+        {
+            info!("shutdown requested: leaving");
+            self.leave(LeaveReason::Shutdown, ctx);
+        }
+        if view.stop && self.leaving.is_none() {
+            info!("stop requested for this node: leaving");
+            self.leave(LeaveReason::StopRequested, ctx);
+        }
+        if let Some(d) = &self.drain
+            && d.run_id == self.s.run_id
+            && self.leaving.is_none()
+        {
+            let all = self.partitions();
+            if !all.is_empty() && all.iter().all(|p| self.drained.contains(p)) {
+                info!(run = %d.run_id, "every partition is drained: the run is over, leaving");
+                self.leave(LeaveReason::Drained, ctx);
+            }
+        }
+        if self.leaving.is_some() || !self.registered {
+            return;
+        }
+
+        // The plan.
+        let mut live = self.members.clone();
+        live.insert(self.s.node.clone());
+        let settled = now.saturating_duration_since(self.members_changed) >= cfg.settle;
+        let releasing = self.held.values().filter(|h| h.releasing).count();
+        let mut budget = cfg.max_moves.saturating_sub(releasing);
+        for (stream, n) in self.s.ordered.clone() {
+            let current: assignment::Assignment = (0..n)
+                .filter_map(|p| match view.leases.get(&(stream.clone(), p)) {
+                    Some(Some((_, Some(rec)))) => Some((p, rec.node.clone())),
+                    _ => None,
+                })
+                .collect();
+            let plan = assignment::plan(n, &live, &current);
+            for p in 0..n {
+                let part = (stream.clone(), p);
+                let target = plan.get(&p);
+                let leased = matches!(view.leases.get(&part), Some(Some(_)));
+                if let Some(h) = self.held.get(&part) {
+                    if settled && !h.releasing && target.is_some_and(|t| *t != self.s.node) && budget > 0 {
+                        budget -= 1;
+                        info!(stream = %part.0, partition = p, to = ?target, "rebalancing: handing the partition over");
+                        self.release(&part);
+                    }
+                    continue;
+                }
+                if leased
+                    || self.drained.contains(&part) && self.drain.as_ref().is_some_and(|d| d.run_id == self.s.run_id)
+                {
+                    self.unleased_since.remove(&part);
+                    continue;
+                }
+                let since = *self.unleased_since.entry(part.clone()).or_insert(now);
+                let mine = target.is_some_and(|t| *t == self.s.node);
+                // A partition nobody took for a whole TTL goes to whoever gets it first.
+                if mine || now.saturating_duration_since(since) >= cfg.lease_ttl {
+                    self.acquire(part, ctx);
+                }
+            }
+        }
+        if now >= self.tidy_at {
+            self.tidy_at = now + cfg.node_ttl * 5;
+            let fut = self.s.reaper.send(Tidy { control: self.buckets.control.clone(), live: self.members.clone() });
+            actix::spawn(async move {
+                if let Ok(Err(e)) = fut.await {
+                    debug!(error = %e, "tidying the control bucket failed");
+                }
+            });
+        }
+    }
+
+    fn heartbeat(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        if self.beating || now.saturating_duration_since(self.last_beat) < self.s.config.node_ttl / 3 {
+            return;
+        }
+        self.beating = true;
+        let broker = self.s.broker.clone();
+        let (bucket, node, value) = (self.buckets.nodes.clone(), self.s.node.clone(), self.s.node_value.clone());
+        let registered = self.registered;
+        let revision = self.s.node_revision;
+        let fut = async move {
+            if registered {
+                broker.kv_update(&bucket, &node, value, revision).await.map(|r| (r, false))
+            } else {
+                broker.kv_create(&bucket, &node, value).await.map(|r| (r, true))
+            }
+        };
+        ctx.spawn(fut.into_actor(self).map(move |result, act, _| {
+            act.beating = false;
+            match result {
+                Ok((rev, rejoined)) => {
+                    act.s.node_revision = rev;
+                    act.last_beat = now;
+                    if rejoined {
+                        info!(node = %act.s.node, "registered again");
+                        act.registered = true;
+                    }
+                }
+                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) if registered => {
+                    warn!(node = %act.s.node, "membership lost (heartbeat refused): stopping every partition and registering again");
+                    act.registered = false;
+                    let parts: Vec<Part> = act.held.keys().cloned().collect();
+                    for part in parts {
+                        act.lose(&part, "membership lost");
+                    }
+                }
+                Err(e) => debug!(error = %e, "heartbeat failed; retrying"),
+            }
+        }));
+    }
+
+    fn renew_due(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        let every = self.s.config.lease_ttl / 3;
+        let due: Vec<Part> = self
+            .held
+            .iter()
+            .filter(|(_, h)| !h.renewing && now.saturating_duration_since(h.last_renew) >= every)
+            .map(|(p, _)| p.clone())
+            .collect();
+        for part in due {
+            let Some(h) = self.held.get_mut(&part) else { continue };
+            h.renewing = true;
+            let fut = self.s.broker.kv_update(
+                &self.buckets.leases,
+                &keys::lease(&part.0, part.1),
+                Bytes::from(
+                    serde_json::to_vec(&LeaseRecord { node: self.s.node.clone(), epoch: h.epoch }).unwrap_or_default(),
+                ),
+                h.revision,
+            );
+            let sent = Instant::now();
+            ctx.spawn(fut.into_actor(self).map(move |result, act, _| {
+                let until = act.valid_after(sent);
+                let Some(h) = act.held.get_mut(&part) else { return };
+                h.renewing = false;
+                match result {
+                    Ok(rev) => {
+                        h.revision = rev;
+                        h.last_renew = sent;
+                        h.fence.extend(until);
+                    }
+                    Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => {
+                        act.lose(&part, "lease renewal refused");
+                    }
+                    Err(e) => {
+                        debug!(stream = %part.0, partition = part.1, error = %e, "lease renewal failed; retrying")
+                    }
+                }
+            }));
+        }
+    }
+
+    /// Partitions whose fence ran out (no renewal for two thirds of the TTL): stop them.
+    fn fence_expired(&mut self, _ctx: &mut Context<Self>) {
+        let expired: Vec<Part> = self.held.iter().filter(|(_, h)| !h.fence.valid()).map(|(p, _)| p.clone()).collect();
+        for part in expired {
+            self.lose(&part, "the lease could not be renewed in time (self-fencing)");
+        }
+    }
+
+    /// The lease is gone: revoke the fence (the worker acts no more) and stop the slot.
+    fn lose(&mut self, part: &Part, why: &str) {
+        if let Some(h) = self.held.remove(part) {
+            warn!(stream = %part.0, partition = part.1, epoch = h.epoch, why, "partition lost");
+            h.fence.revoke();
+            if let Some(slot) = h.slot {
+                self.slot_of.remove(&slot);
+                self.s.container.do_send(ReleaseSlot(slot));
+            }
+        }
+    }
+
+    fn release(&mut self, part: &Part) {
+        if let Some(h) = self.held.get_mut(part) {
+            h.releasing = true;
+            match h.slot {
+                Some(slot) => self.s.container.do_send(ReleaseSlot(slot)),
+                None => {
+                    let part = part.clone();
+                    self.delete_lease(&part);
+                }
+            }
+        }
+    }
+
+    fn acquire(&mut self, part: Part, ctx: &mut Context<Self>) {
+        if !self.acquiring.insert(part.clone()) {
+            return;
+        }
+        let Some((js_stream, consumer)) = (self.s.takeover)(&part.0, part.1) else {
+            self.acquiring.remove(&part);
+            return;
+        };
+        let msg = AcquireLease {
+            bucket: self.buckets.leases.clone(),
+            key: keys::lease(&part.0, part.1),
+            value: self.lease_value(0),
+            js_stream,
+            consumer: Some(consumer),
+        };
+        let sent = Instant::now();
+        let fut = self.s.reaper.send(msg);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            act.acquiring.remove(&part);
+            let revision = match result {
+                Ok(Ok(Some(rev))) => rev,
+                Ok(Ok(None)) => return,
+                Ok(Err(e)) => {
+                    debug!(stream = %part.0, partition = part.1, error = %e, "could not acquire the lease");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let fence = Fence::until(act.valid_after(sent));
+            if act.leaving.is_some() || !act.registered {
+                // Too late: give it back.
+                act.held.insert(part.clone(), Held::new(revision, fence, sent));
+                act.delete_lease(&part);
+                return;
+            }
+            let paused = act.paused.covers(&part.0, Some(part.1));
+            let spec =
+                AddSlot { stream: part.0.clone(), partition: part.1, epoch: revision, fence: fence.clone(), paused };
+            info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
+            act.unleased_since.remove(&part);
+            act.held.insert(part.clone(), Held::new(revision, fence, sent));
+            // Renew right away so the recorded epoch is in the lease value too.
+            if let Some(h) = act.held.get_mut(&part) {
+                h.last_renew = sent.checked_sub(act.s.config.lease_ttl).unwrap_or(sent);
+            }
+            let add = act.s.container.send(spec);
+            ctx.spawn(add.into_actor(act).map(move |slot, act, _| {
+                let Ok(Some(slot)) = slot else { return };
+                match act.held.get_mut(&part) {
+                    Some(h) => {
+                        h.slot = Some(slot);
+                        act.slot_of.insert(slot, part.clone());
+                        if h.releasing {
+                            act.s.container.do_send(ReleaseSlot(slot));
+                        }
+                    }
+                    // Lost while the slot was being added.
+                    None => act.s.container.do_send(ReleaseSlot(slot)),
+                }
+            }));
+        }));
+    }
+
+    /// Deletes a held lease (only if it is still at our revision) and tells the others.
+    fn delete_lease(&mut self, part: &Part) {
+        let Some(h) = self.held.remove(part) else { return };
+        h.fence.revoke();
+        if let Some(slot) = h.slot {
+            self.slot_of.remove(&slot);
+        }
+        let del = self.s.broker.kv_delete(&self.buckets.leases, &keys::lease(&part.0, part.1), Some(h.revision));
+        let notify = self.s.broker.core_publish(CoreMessage::new(self.s.subjects.control("all.changed"), Bytes::new()));
+        let part = part.clone();
+        actix::spawn(async move {
+            match del.await {
+                Ok(()) => {
+                    info!(stream = %part.0, partition = part.1, "lease released");
+                    let _ = notify.await;
+                }
+                Err(e) => {
+                    warn!(stream = %part.0, partition = part.1, error = %e, "could not delete the lease; it expires on its own")
+                }
+            }
+        });
+    }
+
+    fn apply_pause(&mut self) {
+        for (slot, part) in &self.slot_of {
+            let paused = self.paused.covers(&part.0, Some(part.1));
+            self.s.container.do_send(SetPaused { slot: *slot, paused });
+        }
+        for (slot, stream) in &self.s.queue_slots {
+            self.s.container.do_send(SetPaused { slot: *slot, paused: self.paused.covers(stream, None) });
+        }
+    }
+
+    fn leave(&mut self, reason: LeaveReason, _ctx: &mut Context<Self>) {
+        if self.leaving.is_some() {
+            return;
+        }
+        self.leaving = Some(reason);
+        let _ = self.s.left.send(Some(reason));
+        for h in self.held.values_mut() {
+            h.releasing = true;
+        }
+        self.s.container.do_send(StopContainer);
+    }
+
+    fn reply(&self, to: Option<String>, reply: ControlReply) {
+        let Some(subject) = to else { return };
+        let body = serde_json::to_vec(&reply).unwrap_or_default();
+        let fut = self.s.broker.core_publish(CoreMessage::new(subject, body));
+        actix::spawn(async move {
+            let _ = fut.await;
+        });
+    }
+
+    fn answer(&self, request_id: &str, ok: bool, message: impl Into<String>) -> ControlReply {
+        ControlReply {
+            node: self.s.node.clone(),
+            request_id: request_id.to_owned(),
+            ok,
+            message: message.into(),
+            duplicate: false,
+            acted: false,
+            status: None,
+        }
+    }
+
+    fn control(&mut self, msg: CoreMessage, ctx: &mut Context<Self>) {
+        let verb = msg.subject.rsplit('.').next().unwrap_or_default().to_owned();
+        if verb == "changed" {
+            // Another node released a lease: look now rather than at the next tick.
+            self.scan(ctx);
+            return;
+        }
+        let request: ControlRequest = match serde_json::from_slice(&msg.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(subject = %msg.subject, error = %e, "malformed control request ignored");
+                let reply = self.answer(
+                    "",
+                    false,
+                    format!("malformed request body: {e}; send JSON like {{\"request_id\":\"…\"}}"),
+                );
+                self.reply(msg.reply, reply);
+                return;
+            }
+        };
+        let id = request.request_id.clone();
+        if id.trim().is_empty() {
+            let reply = self.answer(&id, false, "request_id is empty: give every request a unique id");
+            self.reply(msg.reply, reply);
+            return;
+        }
+        if !cluster::VERBS.contains(&verb.as_str()) {
+            let reply =
+                self.answer(&id, false, format!("unknown verb {verb:?}; known verbs: {}", cluster::VERBS.join(", ")));
+            self.reply(msg.reply, reply);
+            return;
+        }
+        if let Some(run) = &request.run_id
+            && *run != self.s.run_id
+        {
+            let reply = self.answer(
+                &id,
+                false,
+                format!("stale run id {run}: the current run is {}; nothing was changed", self.s.run_id),
+            );
+            self.reply(msg.reply, reply);
+            return;
+        }
+        if verb != "status" {
+            if self.seen.contains(&id) {
+                let mut reply = self.answer(&id, true, format!("request {id} was already handled; nothing done again"));
+                reply.duplicate = true;
+                self.reply(msg.reply, reply);
+                return;
+            }
+            self.seen.push_back(id.clone());
+            if self.seen.len() > SEEN_REQUESTS {
+                self.seen.pop_front();
+            }
+        }
+        match verb.as_str() {
+            "status" => {
+                let snapshot = self.s.container.send(Snapshot);
+                let reply_to = msg.reply;
+                let base = self.answer(&id, true, "status");
+                let (node, run_id, leaving) = (self.s.node.clone(), self.s.run_id.clone(), self.leaving.is_some());
+                ctx.spawn(snapshot.into_actor(self).map(move |slots, act, _| {
+                    let mut reply = base;
+                    reply.status = Some(NodeStatus {
+                        node,
+                        pid: std::process::id(),
+                        run_id,
+                        leaving,
+                        slots: slots.unwrap_or_default(),
+                    });
+                    act.reply(reply_to, reply);
+                }));
+            }
+            "pause" | "resume" | "drain" => {
+                // The sender wrote the desired state first; read it now.
+                self.scan(ctx);
+                let reply = self.answer(&id, true, format!("{verb}: applying the desired state"));
+                self.reply(msg.reply, reply);
+            }
+            "step" => {
+                let (Some(stream), Some(p)) = (request.stream.clone(), request.partition) else {
+                    let reply = self.answer(&id, false, "step needs a stream and a partition");
+                    self.reply(msg.reply, reply);
+                    return;
+                };
+                let part = (stream, p);
+                let mut reply = match self.held.get(&part).and_then(|h| h.slot) {
+                    Some(slot) if self.paused.covers(&part.0, Some(p)) => {
+                        self.s.container.do_send(StepSlot(slot));
+                        let mut r = self.answer(&id, true, format!("stepped {}/{p}: one message", part.0));
+                        r.acted = true;
+                        r
+                    }
+                    Some(_) => self.answer(&id, false, format!("{}/{p} is not paused; pause it first", part.0)),
+                    None => self.answer(&id, true, format!("{}/{p} is not held here", part.0)),
+                };
+                reply.duplicate = false;
+                self.reply(msg.reply, reply);
+            }
+            "stop" | "shutdown" => {
+                let reason = if verb == "stop" { LeaveReason::StopRequested } else { LeaveReason::Shutdown };
+                let mut reply = self.answer(&id, true, "leaving: handing partitions over, then exiting");
+                reply.acted = true;
+                self.reply(msg.reply, reply);
+                self.leave(reason, ctx);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Held {
+    fn new(revision: u64, fence: Fence, sent: Instant) -> Self {
+        Self {
+            acquired: Instant::now(),
+            revision,
+            epoch: revision,
+            slot: None,
+            fence,
+            last_renew: sent,
+            renewing: false,
+            releasing: false,
+        }
+    }
+}
+
+impl Actor for Membership {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let period = self.s.config.scan_interval;
+        self.s.timers.do_send(Every { period, target: ctx.address().recipient(), tick: Tick::Scan });
+        self.scan(ctx);
+    }
+}
+
+impl Handler<Tick> for Membership {
+    type Result = ();
+
+    fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
+        if matches!(tick, Tick::Scan) {
+            self.scan(ctx);
+        }
+    }
+}
+
+impl Handler<SlotEnded> for Membership {
+    type Result = ();
+
+    fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
+        let Some(part) = self.slot_of.remove(&ended.slot) else { return };
+        if ended.outcome == Outcome::Drained {
+            // Record it before the lease goes, so no node starts the partition again in
+            // this run.
+            let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
+            let put = self.s.broker.kv_put(
+                &self.buckets.control,
+                &keys::drained(&part.0, part.1),
+                Bytes::from(serde_json::to_vec(&record).unwrap_or_default()),
+            );
+            self.drained.insert(part.clone());
+            info!(stream = %part.0, partition = part.1, "partition drained");
+            let del = self.held.get(&part).map(|h| h.revision);
+            let broker = self.s.broker.clone();
+            let bucket = self.buckets.leases.clone();
+            self.held.remove(&part);
+            actix::spawn(async move {
+                if let Err(e) = put.await {
+                    warn!(error = %e, "could not record the drained partition");
+                }
+                if let Some(rev) = del {
+                    let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
+                }
+            });
+            return;
+        }
+        if self.held.contains_key(&part) {
+            self.delete_lease(&part);
+        }
+    }
+}
+
+impl Handler<Leave> for Membership {
+    type Result = ();
+
+    fn handle(&mut self, Leave(reason): Leave, ctx: &mut Context<Self>) {
+        self.leave(reason, ctx);
+    }
+}
+
+impl Handler<Deregister> for Membership {
+    type Result = ResponseActFuture<Self, ()>;
+
+    fn handle(&mut self, _: Deregister, _: &mut Context<Self>) -> Self::Result {
+        let broker = self.s.broker.clone();
+        let leases: Vec<(String, u64)> = std::mem::take(&mut self.held)
+            .into_iter()
+            .map(|(part, h)| {
+                h.fence.revoke();
+                (keys::lease(&part.0, part.1), h.revision)
+            })
+            .collect();
+        let b = self.buckets.clone();
+        let node = self.s.node.clone();
+        let rev = self.s.node_revision;
+        let registered = self.registered;
+        let changed = self.s.subjects.control("all.changed");
+        Box::pin(
+            async move {
+                for (key, rev) in leases {
+                    if let Err(e) = broker.kv_delete(&b.leases, &key, Some(rev)).await {
+                        debug!(%key, error = %e, "lease not deleted; it expires on its own");
+                    }
+                }
+                if registered && let Err(e) = broker.kv_delete(&b.nodes, &node, Some(rev)).await {
+                    debug!(error = %e, "membership not deleted; it expires on its own");
+                }
+                let _ = broker.core_publish(CoreMessage::new(changed, Bytes::new())).await;
+                let _ = broker.flush().await;
+                info!(%node, "left the cluster");
+            }
+            .into_actor(self),
+        )
+    }
+}
+
+impl Handler<ControlMessage> for Membership {
+    type Result = ();
+
+    fn handle(&mut self, ControlMessage(msg): ControlMessage, ctx: &mut Context<Self>) {
+        self.control(msg, ctx);
+    }
+}

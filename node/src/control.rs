@@ -1,0 +1,769 @@
+//! The control plane's client side: `status`, `drain`, `stop`, `shutdown`, `pause`,
+//! `resume` and `step`, for the `flotilla` binary and for job binaries alike. It needs
+//! no job code: the job's inputs and run come from its CONTROL bucket.
+//!
+//! Each command writes the desired state to the CONTROL bucket first (so a node that
+//! is disconnected now catches up later), then sends the request on
+//! `flotilla.<J>._ctl.…` with a fresh request id, retried with the same id when nobody
+//! answers, and waits, with progress, for the outcome.
+
+use flotilla_actors::cluster::{
+    self, ControlReply, ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, PauseRecord, RequestRecord, RunRecord,
+    TopologyRecord, keys, now_ms,
+};
+use flotilla_actors::membership::Buckets;
+use flotilla_transport::broker::{BrokerError, CoreMessage, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::{JobName, MessageId, StreamName, Subjects, headers};
+use futures::StreamExt;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// A control command (a subcommand of `flotilla` and of every job binary).
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum ControlCommand {
+    /// Show nodes, leases with their epochs, in-flight work, deliveries, backlog and the DLQ.
+    Status {
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Append a drain marker to every ordered partition and wait until all are processed.
+    Drain {
+        /// Give up (exit 1, naming what is stuck) after this long.
+        #[arg(long, default_value = "2m", value_parser = crate::config::parse_duration)]
+        deadline: Duration,
+        /// The run to drain (default: the current one; another one is refused).
+        #[arg(long)]
+        run: Option<String>,
+    },
+    /// Make one node leave gracefully (its partitions move with no redelivery).
+    Stop {
+        /// The node id (see `status`).
+        #[arg(long)]
+        node: String,
+        /// How long to wait for it to leave.
+        #[arg(long, default_value = "60s", value_parser = crate::config::parse_duration)]
+        timeout: Duration,
+    },
+    /// Make every node leave and exit; waits until each has.
+    Shutdown {
+        /// How long to wait for the nodes to leave.
+        #[arg(long, default_value = "60s", value_parser = crate::config::parse_duration)]
+        timeout: Duration,
+    },
+    /// Stop intake for the job, a stream or one partition.
+    Pause {
+        /// Only this stream.
+        #[arg(long)]
+        stream: Option<String>,
+        /// Only this partition of --stream.
+        #[arg(long, requires = "stream")]
+        partition: Option<u32>,
+    },
+    /// Undo a pause (the same scope that was paused).
+    Resume {
+        /// Only this stream.
+        #[arg(long)]
+        stream: Option<String>,
+        /// Only this partition of --stream.
+        #[arg(long, requires = "stream")]
+        partition: Option<u32>,
+    },
+    /// Process exactly one message of a paused partition.
+    Step {
+        /// The stream.
+        #[arg(long)]
+        stream: String,
+        /// The partition.
+        #[arg(long)]
+        partition: u32,
+    },
+}
+
+/// Why a control command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The broker failed.
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+    /// The job was never started on this broker.
+    #[error("job {0:?} has no control bucket on this server: start a node of it first (with --nats)")]
+    UnknownJob(String),
+    /// The command cannot be carried out as given.
+    #[error("{0}")]
+    Refused(String),
+    /// The command ran but did not reach its goal.
+    #[error("{0}")]
+    Incomplete(String),
+}
+
+/// A connection to one job's control plane.
+pub struct ControlClient {
+    broker: SharedBroker,
+    subjects: Subjects,
+    buckets: Buckets,
+    job: String,
+    /// How long to collect replies to a broadcast.
+    pub reply_window: Duration,
+}
+
+impl std::fmt::Debug for ControlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlClient").field("job", &self.job).finish_non_exhaustive()
+    }
+}
+
+/// One partition in `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct PartitionStatus {
+    /// The stream.
+    pub stream: String,
+    /// The partition (`None` for a queue input).
+    pub partition: Option<u32>,
+    /// The node holding the lease.
+    pub owner: Option<String>,
+    /// The lease epoch.
+    pub epoch: Option<u64>,
+    /// Messages not yet committed / acked.
+    pub backlog: u64,
+    /// Age of the oldest message after the committed position, in ms.
+    pub oldest_ms: u64,
+    /// In flight on the owner.
+    pub in_flight: u64,
+    /// Delivered to the owner (since it took the partition).
+    pub deliveries: u64,
+    /// Of those, redeliveries.
+    pub redeliveries: u64,
+    /// Intake paused.
+    pub paused: bool,
+    /// Drained in the current run.
+    pub drained: bool,
+}
+
+/// The whole `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterStatus {
+    /// The job.
+    pub job: String,
+    /// The current run.
+    pub run_id: Option<String>,
+    /// Live nodes (from the membership bucket).
+    pub members: Vec<String>,
+    /// What each answering node said.
+    pub nodes: Vec<NodeStatus>,
+    /// Members that did not answer in time.
+    pub silent: Vec<String>,
+    /// Per partition (and queue input).
+    pub partitions: Vec<PartitionStatus>,
+    /// Messages in the dead-letter stream.
+    pub dlq: u64,
+    /// What is paused.
+    pub paused: PauseRecord,
+}
+
+fn json<T: Serialize>(v: &T) -> bytes::Bytes {
+    bytes::Bytes::from(serde_json::to_vec(v).unwrap_or_default())
+}
+
+impl ControlClient {
+    /// Connects to the control plane of `job`.
+    ///
+    /// # Errors
+    /// [`ControlError::UnknownJob`] when the job never ran on this broker.
+    pub async fn new(broker: SharedBroker, job: &str) -> Result<Self, ControlError> {
+        let name = JobName::new(job.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
+        let subjects = Subjects::new(name);
+        let buckets = Buckets::new(&subjects);
+        match broker.kv_get(&buckets.control, keys::TOPOLOGY).await {
+            Ok(Some(_)) => {}
+            Ok(None) | Err(BrokerError::BucketNotFound { .. } | BrokerError::StreamNotFound { .. }) => {
+                return Err(ControlError::UnknownJob(job.to_owned()));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(Self { broker, subjects, buckets, job: job.to_owned(), reply_window: Duration::from_millis(1500) })
+    }
+
+    /// The job's inputs.
+    ///
+    /// # Errors
+    /// Broker failures.
+    pub async fn topology(&self) -> Result<TopologyRecord, ControlError> {
+        Ok(match self.broker.kv_get(&self.buckets.control, keys::TOPOLOGY).await? {
+            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+            None => TopologyRecord::default(),
+        })
+    }
+
+    /// The current run id.
+    ///
+    /// # Errors
+    /// Broker failures.
+    pub async fn run_id(&self) -> Result<Option<String>, ControlError> {
+        Ok(match self.broker.kv_get(&self.buckets.control, keys::RUN).await? {
+            Some(e) => serde_json::from_slice::<RunRecord>(&e.value).ok().map(|r| r.run_id),
+            None => None,
+        })
+    }
+
+    /// The live nodes.
+    ///
+    /// # Errors
+    /// Broker failures.
+    pub async fn members(&self) -> Result<BTreeSet<String>, ControlError> {
+        Ok(self.broker.kv_keys(&self.buckets.nodes).await?.into_iter().collect())
+    }
+
+    /// Sends `verb` to every node and collects the replies for the reply window (or
+    /// until every live node answered). Retried twice with the same request id when
+    /// live nodes stay silent.
+    ///
+    /// # Errors
+    /// Broker failures.
+    pub async fn broadcast(&self, verb: &str, request: &ControlRequest) -> Result<Vec<ControlReply>, ControlError> {
+        let members = self.members().await?;
+        let mut replies: BTreeMap<String, ControlReply> = BTreeMap::new();
+        for _attempt in 0..3 {
+            let inbox = format!("_INBOX.flotilla.{}", MessageId::new_v7());
+            let mut sub = self.broker.subscribe(&inbox, None).await?;
+            let mut msg = CoreMessage::new(self.subjects.control(&format!("all.{verb}")), json(request));
+            msg.reply = Some(inbox);
+            self.broker.core_publish(msg).await?;
+            self.broker.flush().await?;
+            let deadline = tokio::time::Instant::now() + self.reply_window;
+            loop {
+                if !members.is_empty() && members.iter().all(|m| replies.contains_key(m)) {
+                    break;
+                }
+                match tokio::time::timeout_at(deadline, sub.next()).await {
+                    Ok(Some(m)) => {
+                        if let Ok(r) = serde_json::from_slice::<ControlReply>(&m.payload) {
+                            replies.entry(r.node.clone()).or_insert(r);
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            // Retry (same request id) only when nobody answered: the request itself may
+            // have been lost. A member that stays silent while others answer is dead or
+            // stuck, and status reports it as silent.
+            if members.is_empty() || !replies.is_empty() {
+                break;
+            }
+        }
+        Ok(replies.into_values().collect())
+    }
+
+    /// Sends `verb` to one node and waits for its reply (retried with the same id).
+    ///
+    /// # Errors
+    /// [`ControlError::Incomplete`] when it never answered.
+    pub async fn ask(&self, node: &str, verb: &str, request: &ControlRequest) -> Result<ControlReply, ControlError> {
+        let subject = self.subjects.control(&format!("node.{node}.{verb}"));
+        let mut last = String::new();
+        for _attempt in 0..3 {
+            match self.broker.request(CoreMessage::new(subject.clone(), json(request)), self.reply_window).await {
+                Ok(m) => {
+                    return serde_json::from_slice(&m.payload)
+                        .map_err(|e| ControlError::Incomplete(format!("node {node} sent an unreadable reply: {e}")));
+                }
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(ControlError::Incomplete(format!("node {node} did not answer {verb}: {last}")))
+    }
+
+    fn request(&self) -> ControlRequest {
+        ControlRequest { request_id: MessageId::new_v7().to_string(), run_id: None, stream: None, partition: None }
+    }
+
+    /// Everything `status` shows.
+    ///
+    /// # Errors
+    /// Broker failures.
+    pub async fn status(&self) -> Result<ClusterStatus, ControlError> {
+        let topology = self.topology().await?;
+        let run_id = self.run_id().await?;
+        let members = self.members().await?;
+        let replies = self.broadcast("status", &self.request()).await?;
+        let nodes: Vec<NodeStatus> = replies.into_iter().filter_map(|r| r.status).collect();
+        let silent = members.iter().filter(|m| !nodes.iter().any(|n| &n.node == *m)).cloned().collect();
+        let paused: PauseRecord = match self.broker.kv_get(&self.buckets.control, keys::PAUSED).await? {
+            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+            None => PauseRecord::default(),
+        };
+        let mut partitions = Vec::new();
+        for input in &topology.inputs {
+            let Ok(name) = StreamName::new(input.stream.clone()) else { continue };
+            let js = self.subjects.stream_name(&name);
+            let parts: Vec<Option<u32>> = match input.partitions {
+                Some(n) => (0..n).map(Some).collect(),
+                None => vec![None],
+            };
+            for p in parts {
+                let consumer = match p {
+                    Some(p) => Subjects::partition_consumer(&name, p),
+                    None => Subjects::queue_consumer(&name),
+                };
+                let (backlog, oldest_ms) = match self.broker.consumer_state(&js, &consumer).await {
+                    Ok(c) => {
+                        let age = match self.broker.get_message(&js, c.ack_floor + 1).await {
+                            Ok(Some(m)) if c.num_pending + c.num_ack_pending > 0 => {
+                                std::time::SystemTime::now().duration_since(m.published).unwrap_or_default()
+                            }
+                            _ => Duration::ZERO,
+                        };
+                        (c.num_pending + c.num_ack_pending, age.as_millis() as u64)
+                    }
+                    Err(_) => (0, 0),
+                };
+                let lease = match p {
+                    Some(p) => match self.broker.kv_get(&self.buckets.leases, &keys::lease(&input.stream, p)).await? {
+                        Some(e) => serde_json::from_slice::<LeaseRecord>(&e.value).ok(),
+                        None => None,
+                    },
+                    None => None,
+                };
+                let slots: Vec<_> = nodes
+                    .iter()
+                    .flat_map(|n| n.slots.iter().map(move |s| (n.node.clone(), s)))
+                    .filter(|(_, s)| s.stream == input.stream && s.partition == p)
+                    .collect();
+                let drained = match (p, &run_id) {
+                    (Some(p), Some(run)) => {
+                        match self.broker.kv_get(&self.buckets.control, &keys::drained(&input.stream, p)).await? {
+                            Some(e) => {
+                                serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| &r.run_id == run)
+                            }
+                            None => false,
+                        }
+                    }
+                    _ => false,
+                };
+                partitions.push(PartitionStatus {
+                    stream: input.stream.clone(),
+                    partition: p,
+                    owner: lease.as_ref().map(|l| l.node.clone()),
+                    epoch: slots.iter().map(|(_, s)| s.epoch).max().filter(|e| *e > 0),
+                    backlog,
+                    oldest_ms,
+                    in_flight: slots.iter().map(|(_, s)| s.in_flight).sum(),
+                    deliveries: slots.iter().map(|(_, s)| s.deliveries).sum(),
+                    redeliveries: slots.iter().map(|(_, s)| s.redeliveries).sum(),
+                    paused: paused.covers(&input.stream, p),
+                    drained,
+                });
+            }
+        }
+        let dlq = self.broker.stream_state(&self.subjects.dlq_stream_name()).await.map(|s| s.messages).unwrap_or(0);
+        Ok(ClusterStatus {
+            job: self.job.clone(),
+            run_id,
+            members: members.into_iter().collect(),
+            nodes,
+            silent,
+            partitions,
+            dlq,
+            paused,
+        })
+    }
+
+    /// Appends a drain marker to every ordered partition, then waits until each
+    /// partition has processed everything before it (or the deadline passes).
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] for a stale run, [`ControlError::Incomplete`] naming the
+    /// partitions still short of their marker at the deadline.
+    pub async fn drain(&self, run: Option<String>, deadline: Duration, progress: bool) -> Result<(), ControlError> {
+        let current = self.run_id().await?.ok_or_else(|| ControlError::Refused("the job has no run yet".into()))?;
+        if let Some(r) = &run
+            && *r != current
+        {
+            return Err(ControlError::Refused(format!(
+                "stale run id {r}: the current run is {current}; nothing was changed"
+            )));
+        }
+        let topology = self.topology().await?;
+        let parts = topology.partitions();
+        if parts.is_empty() {
+            return Err(ControlError::Refused(format!(
+                "job {} has no ordered inputs: drain markers only apply to ordered partitions (use shutdown for queue inputs)",
+                self.job
+            )));
+        }
+        let mut request = self.request();
+        request.run_id = Some(current.clone());
+        let record =
+            RequestRecord { request_id: request.request_id.clone(), run_id: current.clone(), issued_ms: now_ms() };
+        self.broker.kv_put(&self.buckets.control, keys::DRAIN, json(&record)).await?;
+        let mut markers = BTreeMap::new();
+        for (stream, p) in &parts {
+            let name = StreamName::new(stream.clone()).map_err(|e| ControlError::Refused(e.to_string()))?;
+            let msg = OutboundMessage::new(self.subjects.ordered_partition(&name, *p), bytes::Bytes::new())
+                .with_id(format!("drain-{current}-{stream}-{p}"))
+                .with_header(headers::KIND, "drain")
+                .with_header(headers::RUN, current.clone());
+            let ack = self.broker.publish(msg).await?;
+            markers.insert((stream.clone(), *p), ack.seq);
+        }
+        if progress {
+            println!(
+                "drain: markers of run {current} appended to {} partitions; waiting (deadline {deadline:?})",
+                parts.len()
+            );
+        }
+        let _ = self.broadcast("drain", &request).await;
+        let started = Instant::now();
+        let mut last_done = usize::MAX;
+        loop {
+            let mut done = BTreeSet::new();
+            for (stream, p) in &parts {
+                if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
+                    && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                {
+                    done.insert((stream.clone(), *p));
+                }
+            }
+            if done.len() != last_done && progress {
+                last_done = done.len();
+                let waiting: Vec<String> =
+                    parts.iter().filter(|p| !done.contains(*p)).map(|(s, p)| format!("{s}/{p}")).collect();
+                println!(
+                    "drain: {}/{} partitions drained ({:.1}s){}",
+                    done.len(),
+                    parts.len(),
+                    started.elapsed().as_secs_f64(),
+                    if waiting.is_empty() { String::new() } else { format!("; waiting for {}", waiting.join(" ")) }
+                );
+            }
+            if done.len() == parts.len() {
+                if progress {
+                    println!("drain: done; every partition processed everything before its marker");
+                }
+                return Ok(());
+            }
+            if started.elapsed() >= deadline {
+                let mut stuck = Vec::new();
+                for (stream, p) in parts.iter().filter(|p| !done.contains(*p)) {
+                    let name = StreamName::new(stream.clone()).map_err(|e| ControlError::Refused(e.to_string()))?;
+                    let js = self.subjects.stream_name(&name);
+                    let floor = self
+                        .broker
+                        .consumer_state(&js, &Subjects::partition_consumer(&name, *p))
+                        .await
+                        .map(|c| c.ack_floor)
+                        .unwrap_or(0);
+                    let owner = match self.broker.kv_get(&self.buckets.leases, &keys::lease(stream, *p)).await? {
+                        Some(e) => serde_json::from_slice::<LeaseRecord>(&e.value).map(|l| l.node).unwrap_or_default(),
+                        None => "nobody".into(),
+                    };
+                    let marker = markers.get(&(stream.clone(), *p)).copied().unwrap_or(0);
+                    stuck.push(format!(
+                        "{stream}/{p} (held by {owner}; committed up to stream seq {floor}, marker at {marker})"
+                    ));
+                }
+                return Err(ControlError::Incomplete(format!(
+                    "drain deadline {deadline:?} passed with {} of {} partitions not drained: {}",
+                    stuck.len(),
+                    parts.len(),
+                    stuck.join(", ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    async fn wait_gone(&self, nodes: &BTreeSet<String>, timeout: Duration, progress: bool) -> Result<(), ControlError> {
+        let started = Instant::now();
+        let mut last = usize::MAX;
+        loop {
+            let live = self.members().await?;
+            let left: Vec<&String> = nodes.iter().filter(|n| live.contains(*n)).collect();
+            if left.len() != last && progress {
+                last = left.len();
+                if left.is_empty() {
+                    println!("all {} node(s) have left ({:.1}s)", nodes.len(), started.elapsed().as_secs_f64());
+                } else {
+                    let names: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
+                    println!("waiting for {} of {} node(s) to leave: {}", left.len(), nodes.len(), names.join(", "));
+                }
+            }
+            if left.is_empty() {
+                return Ok(());
+            }
+            if started.elapsed() >= timeout {
+                let names: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
+                return Err(ControlError::Incomplete(format!(
+                    "timeout {timeout:?}: still alive: {}",
+                    names.join(", ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Makes `node` leave gracefully and waits until it has.
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] when `node` is not a live member.
+    pub async fn stop(&self, node: &str, timeout: Duration, progress: bool) -> Result<(), ControlError> {
+        let members = self.members().await?;
+        if !members.contains(node) {
+            let live: Vec<&str> = members.iter().map(String::as_str).collect();
+            return Err(ControlError::Refused(format!(
+                "node {node:?} is not a live member of job {}; live nodes: {}",
+                self.job,
+                if live.is_empty() { "none".to_owned() } else { live.join(", ") }
+            )));
+        }
+        let request = self.request();
+        let record = RequestRecord {
+            request_id: request.request_id.clone(),
+            run_id: self.run_id().await?.unwrap_or_default(),
+            issued_ms: now_ms(),
+        };
+        self.broker.kv_put(&self.buckets.control, &keys::stop(node), json(&record)).await?;
+        match self.ask(node, "stop", &request).await {
+            Ok(r) if progress => println!("{}: {}", r.node, r.message),
+            Ok(_) => {}
+            // It reads the desired state on its next scan anyway.
+            Err(e) if progress => println!("{e}; it will read the stop request from the control bucket"),
+            Err(_) => {}
+        }
+        self.wait_gone(&BTreeSet::from([node.to_owned()]), timeout, progress).await
+    }
+
+    /// Makes every node leave and exit, and waits until each has.
+    ///
+    /// # Errors
+    /// [`ControlError::Incomplete`] naming the nodes still alive at the timeout.
+    pub async fn shutdown(&self, timeout: Duration, progress: bool) -> Result<(), ControlError> {
+        let members = self.members().await?;
+        let request = self.request();
+        let record = RequestRecord {
+            request_id: request.request_id.clone(),
+            run_id: self.run_id().await?.unwrap_or_default(),
+            issued_ms: now_ms(),
+        };
+        self.broker.kv_put(&self.buckets.control, keys::SHUTDOWN, json(&record)).await?;
+        if progress {
+            println!("shutdown requested; {} live node(s)", members.len());
+        }
+        let replies = self.broadcast("shutdown", &request).await?;
+        if progress {
+            for r in &replies {
+                println!("{}: {}", r.node, r.message);
+            }
+        }
+        self.wait_gone(&members, timeout, progress).await
+    }
+
+    async fn check_scope(&self, stream: Option<&str>, partition: Option<u32>) -> Result<(), ControlError> {
+        let topology = self.topology().await?;
+        let Some(stream) = stream else { return Ok(()) };
+        let Some(input) = topology.inputs.iter().find(|i| i.stream == stream) else {
+            let known: Vec<&str> = topology.inputs.iter().map(|i| i.stream.as_str()).collect();
+            return Err(ControlError::Refused(format!(
+                "job {} has no input stream {stream:?}; its inputs: {}",
+                self.job,
+                known.join(", ")
+            )));
+        };
+        if let Some(p) = partition {
+            match input.partitions {
+                Some(n) if p < n => {}
+                Some(n) => {
+                    return Err(ControlError::Refused(format!(
+                        "{stream} has partitions 0..{n}; there is no partition {p}"
+                    )));
+                }
+                None => return Err(ControlError::Refused(format!("{stream} is a queue input: it has no partitions"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// Pauses (or, with `paused = false`, resumes) the job, a stream or a partition.
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] for an unknown stream or partition.
+    pub async fn set_paused(
+        &self,
+        stream: Option<&str>,
+        partition: Option<u32>,
+        paused: bool,
+    ) -> Result<PauseRecord, ControlError> {
+        self.check_scope(stream, partition).await?;
+        let record = loop {
+            let entry = self.broker.kv_get(&self.buckets.control, keys::PAUSED).await?;
+            let mut record: PauseRecord =
+                entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+            match (stream, partition) {
+                (None, _) => record.job = paused,
+                (Some(s), None) => set(&mut record.streams, s.to_owned(), paused),
+                (Some(s), Some(p)) => set(&mut record.partitions, format!("{s}/{p}"), paused),
+            }
+            let written = match &entry {
+                Some(e) => self.broker.kv_update(&self.buckets.control, keys::PAUSED, json(&record), e.revision).await,
+                None => self.broker.kv_create(&self.buckets.control, keys::PAUSED, json(&record)).await,
+            };
+            match written {
+                Ok(_) => break record,
+                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let _ = self.broadcast(if paused { "pause" } else { "resume" }, &self.request()).await?;
+        Ok(record)
+    }
+
+    /// Lets a paused partition process exactly one message. Returns the node that did.
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] when the partition is not paused or nobody holds it.
+    pub async fn step(&self, stream: &str, partition: u32) -> Result<String, ControlError> {
+        self.check_scope(Some(stream), Some(partition)).await?;
+        let mut request = self.request();
+        request.stream = Some(stream.to_owned());
+        request.partition = Some(partition);
+        let replies = self.broadcast("step", &request).await?;
+        if let Some(r) = replies.iter().find(|r| r.acted) {
+            return Ok(r.node.clone());
+        }
+        if let Some(r) = replies.iter().find(|r| !r.ok) {
+            return Err(ControlError::Refused(format!("{}: {}", r.node, r.message)));
+        }
+        Err(ControlError::Refused(format!("no live node holds {stream}/{partition} now; try again in a moment")))
+    }
+}
+
+fn set(set: &mut BTreeSet<String>, item: String, on: bool) {
+    if on {
+        set.insert(item);
+    } else {
+        set.remove(&item);
+    }
+}
+
+/// Prints `status` as tables.
+pub fn print_status(s: &ClusterStatus) {
+    println!(
+        "job {} · run {} · {} live node(s) · DLQ {} message(s){}",
+        s.job,
+        s.run_id.as_deref().unwrap_or("-"),
+        s.members.len(),
+        s.dlq,
+        if s.paused.job { " · PAUSED" } else { "" }
+    );
+    println!();
+    println!(
+        "{:<24} {:>8} {:>6} {:>9} {:>11} {:>13}  STATE",
+        "NODE", "PID", "SLOTS", "IN-FLIGHT", "DELIVERIES", "REDELIVERIES"
+    );
+    for n in &s.nodes {
+        println!(
+            "{:<24} {:>8} {:>6} {:>9} {:>11} {:>13}  {}",
+            n.node,
+            n.pid,
+            n.slots.len(),
+            n.slots.iter().map(|x| x.in_flight).sum::<u64>(),
+            n.slots.iter().map(|x| x.deliveries).sum::<u64>(),
+            n.slots.iter().map(|x| x.redeliveries).sum::<u64>(),
+            if n.leaving { "leaving" } else { "running" }
+        );
+    }
+    for m in &s.silent {
+        println!("{m:<24} {:>8} (did not answer)", "?");
+    }
+    println!();
+    println!(
+        "{:<20} {:<24} {:>7} {:>9} {:>10} {:>9} {:>11} {:>13}  FLAGS",
+        "PARTITION", "OWNER", "EPOCH", "BACKLOG", "OLDEST", "IN-FLIGHT", "DELIVERIES", "REDELIVERIES"
+    );
+    for p in &s.partitions {
+        let name = match p.partition {
+            Some(n) => format!("{}/{n}", p.stream),
+            None => format!("{} (queue)", p.stream),
+        };
+        let mut flags = Vec::new();
+        if p.paused {
+            flags.push("paused");
+        }
+        if p.drained {
+            flags.push("drained");
+        }
+        println!(
+            "{:<20} {:<24} {:>7} {:>9} {:>10} {:>9} {:>11} {:>13}  {}",
+            name,
+            p.owner.as_deref().unwrap_or(if p.partition.is_some() { "-" } else { "(every node)" }),
+            p.epoch.map_or("-".to_owned(), |e| e.to_string()),
+            p.backlog,
+            if p.oldest_ms == 0 { "-".to_owned() } else { format!("{:.1}s", p.oldest_ms as f64 / 1000.0) },
+            p.in_flight,
+            p.deliveries,
+            p.redeliveries,
+            flags.join(",")
+        );
+    }
+}
+
+/// Runs a control command for `job` over `broker`, printing what happens. Returns the
+/// process exit code (0 done, 1 not done, 2 refused).
+pub async fn run_command(broker: SharedBroker, job: &str, command: ControlCommand) -> i32 {
+    let client = match ControlClient::new(broker, job).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    let result = match command {
+        ControlCommand::Status { json } => client.status().await.map(|s| {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
+            } else {
+                print_status(&s);
+            }
+        }),
+        ControlCommand::Drain { deadline, run } => client.drain(run, deadline, true).await,
+        ControlCommand::Stop { node, timeout } => client.stop(&node, timeout, true).await,
+        ControlCommand::Shutdown { timeout } => client.shutdown(timeout, true).await,
+        ControlCommand::Pause { stream, partition } => {
+            client.set_paused(stream.as_deref(), partition, true).await.map(|r| println!("paused: {}", describe(&r)))
+        }
+        ControlCommand::Resume { stream, partition } => client
+            .set_paused(stream.as_deref(), partition, false)
+            .await
+            .map(|r| println!("paused now: {}", describe(&r))),
+        ControlCommand::Step { stream, partition } => {
+            client.step(&stream, partition).await.map(|node| println!("stepped {stream}/{partition} on node {node}"))
+        }
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e @ (ControlError::Refused(_) | ControlError::UnknownJob(_))) => {
+            eprintln!("error: {e}");
+            2
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn describe(r: &PauseRecord) -> String {
+    let mut parts = Vec::new();
+    if r.job {
+        parts.push("the whole job".to_owned());
+    }
+    parts.extend(r.streams.iter().map(|s| format!("stream {s}")));
+    parts.extend(r.partitions.iter().cloned());
+    if parts.is_empty() { "nothing".to_owned() } else { parts.join(", ") }
+}
+
+/// Whether `verb` is one nodes answer.
+pub fn known_verb(verb: &str) -> bool {
+    cluster::VERBS.contains(&verb)
+}
