@@ -119,7 +119,6 @@ struct Held {
     epoch: u64,
     slot: Option<usize>,
     fence: Fence,
-    last_renew: Instant,
     renewing: bool,
     releasing: bool,
 }
@@ -150,7 +149,6 @@ pub struct Membership {
     scanning: bool,
     scan_again: bool,
     beating: bool,
-    last_beat: Instant,
     registered: bool,
     leaving: Option<LeaveReason>,
     paused: PauseRecord,
@@ -184,7 +182,6 @@ impl Membership {
             scanning: false,
             scan_again: false,
             beating: false,
-            last_beat: now,
             registered: true,
             leaving: None,
             paused: PauseRecord::default(),
@@ -261,15 +258,15 @@ impl Membership {
             let stop = broker.kv_get(&b.control, &keys::stop(&node)).await?.is_some();
             Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, shutdown, stop })
         };
-        ctx.spawn(fut.into_actor(self).map(|view, act, ctx| {
+        ctx.spawn(fut.into_actor(self).map(move |view, act, ctx| {
             act.scanning = false;
+            let took = started.elapsed();
+            if took > act.s.config.scan_interval {
+                warn!(?took, "cluster scan was slow: renewals wait for it");
+            }
             match view {
                 Ok(view) => act.apply(view, ctx),
-                Err(e) => {
-                    debug!(error = %e, "cluster scan failed; renewing what can be renewed");
-                    act.renew_due(ctx);
-                    act.fence_expired(ctx);
-                }
+                Err(e) => debug!(error = %e, "cluster scan failed; retrying at the next tick"),
             }
             if std::mem::take(&mut act.scan_again) {
                 act.scan(ctx);
@@ -285,7 +282,6 @@ impl Membership {
             self.members = view.nodes.clone();
             self.members_changed = now;
         }
-        self.heartbeat(ctx);
         self.fence_expired(ctx);
 
         // Held partitions whose lease someone else holds now, or that vanished while
@@ -305,7 +301,6 @@ impl Membership {
         for part in lost {
             self.lose(&part, "the lease is held by another node or expired");
         }
-        self.renew_due(ctx);
 
         // Desired state.
         if view.paused != self.paused {
@@ -391,8 +386,7 @@ impl Membership {
     }
 
     fn heartbeat(&mut self, ctx: &mut Context<Self>) {
-        let now = Instant::now();
-        if self.beating || now.saturating_duration_since(self.last_beat) < self.s.config.node_ttl / 3 {
+        if self.beating {
             return;
         }
         self.beating = true;
@@ -412,7 +406,6 @@ impl Membership {
             match result {
                 Ok((rev, rejoined)) => {
                     act.s.node_revision = rev;
-                    act.last_beat = now;
                     if rejoined {
                         info!(node = %act.s.node, "registered again");
                         act.registered = true;
@@ -431,15 +424,9 @@ impl Membership {
         }));
     }
 
-    fn renew_due(&mut self, ctx: &mut Context<Self>) {
-        let now = Instant::now();
-        let every = self.s.config.lease_ttl / 3;
-        let due: Vec<Part> = self
-            .held
-            .iter()
-            .filter(|(_, h)| !h.renewing && now.saturating_duration_since(h.last_renew) >= every)
-            .map(|(p, _)| p.clone())
-            .collect();
+    /// Renews every held lease (on each renewal tick, a quarter of the TTL).
+    fn renew_all(&mut self, ctx: &mut Context<Self>) {
+        let due: Vec<Part> = self.held.iter().filter(|(_, h)| !h.renewing).map(|(p, _)| p.clone()).collect();
         for part in due {
             let Some(h) = self.held.get_mut(&part) else { continue };
             h.renewing = true;
@@ -454,12 +441,15 @@ impl Membership {
             let sent = Instant::now();
             ctx.spawn(fut.into_actor(self).map(move |result, act, _| {
                 let until = act.valid_after(sent);
+                let took = sent.elapsed();
+                if took > act.s.config.lease_ttl / 6 {
+                    warn!(stream = %part.0, partition = part.1, ?took, "lease renewal was slow");
+                }
                 let Some(h) = act.held.get_mut(&part) else { return };
                 h.renewing = false;
                 match result {
                     Ok(rev) => {
                         h.revision = rev;
-                        h.last_renew = sent;
                         h.fence.extend(until);
                     }
                     Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => {
@@ -537,7 +527,7 @@ impl Membership {
             let fence = Fence::until(act.valid_after(sent));
             if act.leaving.is_some() || !act.registered {
                 // Too late: give it back.
-                act.held.insert(part.clone(), Held::new(revision, fence, sent));
+                act.held.insert(part.clone(), Held::new(revision, fence));
                 act.delete_lease(&part);
                 return;
             }
@@ -546,11 +536,7 @@ impl Membership {
                 AddSlot { stream: part.0.clone(), partition: part.1, epoch: revision, fence: fence.clone(), paused };
             info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
             act.unleased_since.remove(&part);
-            act.held.insert(part.clone(), Held::new(revision, fence, sent));
-            // Renew right away so the recorded epoch is in the lease value too.
-            if let Some(h) = act.held.get_mut(&part) {
-                h.last_renew = sent.checked_sub(act.s.config.lease_ttl).unwrap_or(sent);
-            }
+            act.held.insert(part.clone(), Held::new(revision, fence));
             let add = act.s.container.send(spec);
             ctx.spawn(add.into_actor(act).map(move |slot, act, _| {
                 let Ok(Some(slot)) = slot else { return };
@@ -747,14 +733,13 @@ impl Membership {
 }
 
 impl Held {
-    fn new(revision: u64, fence: Fence, sent: Instant) -> Self {
+    fn new(revision: u64, fence: Fence) -> Self {
         Self {
             acquired: Instant::now(),
             revision,
             epoch: revision,
             slot: None,
             fence,
-            last_renew: sent,
             renewing: false,
             releasing: false,
         }
@@ -767,6 +752,11 @@ impl Actor for Membership {
     fn started(&mut self, ctx: &mut Context<Self>) {
         let period = self.s.config.scan_interval;
         self.s.timers.do_send(Every { period, target: ctx.address().recipient(), tick: Tick::Scan });
+        // Renewals keep their own beat, a quarter of the TTL, whatever scans do: a lease
+        // is renewed at least once a quarter TTL, well inside the two thirds it stays
+        // valid locally.
+        let period = self.s.config.lease_ttl.min(self.s.config.node_ttl) / 4;
+        self.s.timers.do_send(Every { period, target: ctx.address().recipient(), tick: Tick::Renew });
         self.scan(ctx);
     }
 }
@@ -775,8 +765,14 @@ impl Handler<Tick> for Membership {
     type Result = ();
 
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
-        if matches!(tick, Tick::Scan) {
-            self.scan(ctx);
+        match tick {
+            Tick::Scan => self.scan(ctx),
+            Tick::Renew => {
+                self.heartbeat(ctx);
+                self.renew_all(ctx);
+                self.fence_expired(ctx);
+            }
+            _ => {}
         }
     }
 }

@@ -988,7 +988,7 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
                 self.state.request_timer();
             }
             Tick::Retry(order) => self.retries.push_back(order),
-            Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan => {}
+            Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan | Tick::Renew => {}
         }
         self.drive(ctx);
     }

@@ -25,8 +25,10 @@ pub enum Tick {
     Resume,
     /// Restart the task of this container slot.
     Restart(usize),
-    /// Time to renew leases and heartbeats and look at the cluster.
+    /// Time to look at the cluster (members, leases, desired state).
     Scan,
+    /// Time to renew this node's membership and leases.
+    Renew,
 }
 
 /// Ticks `target` every `period` until it stops (or the timer is cancelled).

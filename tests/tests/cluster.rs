@@ -1,0 +1,588 @@
+//! The cluster with real processes: `relay` nodes on a real nats-server, started,
+//! killed, paused and stopped by signal and by the control plane (DESIGN §7, issue 4).
+//!
+//! Every test bounds its waits, and every process it starts is killed by PID when the
+//! test ends, also on failure ([`ProcessGuard`], [`NatsServer`]). Nodes run with a 3 s
+//! lease TTL so failover waits stay short; the closing note reports the default's.
+
+use flotilla_actors::cluster::{ControlReply, LeaseRecord, keys};
+use flotilla_tests::{NatsServer, ProcessGuard, example_bin};
+use flotilla_transport::broker::{AckPolicy, ConsumerSpec, CoreMessage, OutboundMessage, SharedBroker};
+use flotilla_transport::clock::unix_millis;
+use flotilla_transport::wire::{Codec, Headers, MessageKind, headers, partition_for};
+use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::rc::Rc;
+use std::time::{Duration, Instant, SystemTime};
+
+const TTL: Duration = Duration::from_secs(3);
+const PARTITIONS: u32 = 8;
+const OUT: &str = "FLOTILLA_relay_relay-out";
+const IN: &str = "FLOTILLA_relay_relay-in";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Record {
+    id: u64,
+    body: String,
+}
+
+/// A test cluster: one nats-server, relay nodes, their logs.
+struct Cluster {
+    bin: PathBuf,
+    server: NatsServer,
+    dir: tempfile::TempDir,
+    nodes: BTreeMap<String, ProcessGuard>,
+    broker: SharedBroker,
+}
+
+impl Cluster {
+    async fn start(ids: &[&str]) -> Self {
+        let bin = example_bin("relay");
+        let server = NatsServer::start();
+        let broker = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
+        // FLOTILLA_TEST_LOGS=DIR keeps the nodes' logs there (a subdirectory per test).
+        let dir = match std::env::var_os("FLOTILLA_TEST_LOGS") {
+            Some(root) => {
+                std::fs::create_dir_all(&root).expect("log dir");
+                tempfile::Builder::new().prefix("cluster-").disable_cleanup(true).tempdir_in(root).expect("log dir")
+            }
+            None => tempfile::tempdir().expect("tmp"),
+        };
+        let mut c = Self { bin, server, dir, nodes: BTreeMap::new(), broker };
+        // Provision the streams first, as an operator would with `relay publish`.
+        let out = c.relay_cmd(&["publish", "--count", "0"]);
+        assert!(out.status.success(), "provisioning failed: {}", String::from_utf8_lossy(&out.stderr));
+        for id in ids {
+            c.add(id);
+        }
+        c
+    }
+
+    fn log(&self, id: &str) -> PathBuf {
+        self.dir.path().join(format!("{id}.log"))
+    }
+
+    fn log_text(&self, id: &str) -> String {
+        std::fs::read_to_string(self.log(id)).unwrap_or_default()
+    }
+
+    fn all_logs(&self) -> String {
+        self.nodes.keys().map(|id| format!("\n----- node {id} -----\n{}", tail(&self.log_text(id), 40))).collect()
+    }
+
+    /// Starts node `id` (stdout and stderr into its log; killed with the test).
+    fn add(&mut self, id: &str) {
+        let log = std::fs::File::create(self.log(id)).expect("log file");
+        let err = log.try_clone().expect("log file");
+        let mut cmd = if Path::new("/usr/bin/setpriv").is_file() {
+            let mut c = Command::new("/usr/bin/setpriv");
+            c.args(["--pdeathsig", "KILL", "--"]).arg(&self.bin);
+            c
+        } else {
+            Command::new(&self.bin)
+        };
+        cmd.args(["--nats", &self.server.url(), "--node-id", id, "--lease-ttl", "3s", "--ack-wait", "10s"])
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .env("FLOTILLA_LOG", "info,flotilla_actors::membership=debug");
+        self.nodes.insert(id.to_owned(), ProcessGuard::spawn(format!("relay {id}"), &mut cmd));
+    }
+
+    /// Runs a relay subcommand (control or publish) to completion.
+    fn relay_cmd(&self, args: &[&str]) -> std::process::Output {
+        Command::new(&self.bin)
+            .args(["--nats", &self.server.url()])
+            .args(args)
+            .env("FLOTILLA_LOG", "warn")
+            .output()
+            .expect("relay command")
+    }
+
+    /// The current lease holder of each partition.
+    async fn owners(&self) -> BTreeMap<u32, (String, u64)> {
+        let mut out = BTreeMap::new();
+        for p in 0..PARTITIONS {
+            if let Ok(Some(e)) = self.broker.kv_get("FLOTILLA_relay_LEASES", &keys::lease("relay-in", p)).await
+                && let Ok(rec) = serde_json::from_slice::<LeaseRecord>(&e.value)
+            {
+                out.insert(p, (rec.node, rec.epoch));
+            }
+        }
+        out
+    }
+
+    /// Waits until every partition is leased to one of `nodes`, each holding its fair
+    /// share, and the assignment has not changed for two seconds.
+    async fn wait_balanced(&self, nodes: &[&str], within: Duration) -> BTreeMap<u32, String> {
+        let start = Instant::now();
+        let mut last = BTreeMap::new();
+        let mut stable_since = Instant::now();
+        loop {
+            let owners: BTreeMap<u32, String> = self.owners().await.into_iter().map(|(p, (n, _))| (p, n)).collect();
+            let mut counts: BTreeMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+            for o in owners.values() {
+                if let Some(c) = counts.get_mut(o.as_str()) {
+                    *c += 1;
+                }
+            }
+            let lo = PARTITIONS as usize / nodes.len();
+            let hi = lo + usize::from(!(PARTITIONS as usize).is_multiple_of(nodes.len()));
+            let fair = owners.len() == PARTITIONS as usize
+                && counts.values().sum::<usize>() == PARTITIONS as usize
+                && counts.values().all(|c| (lo..=hi).contains(c));
+            if owners != last {
+                last = owners.clone();
+                stable_since = Instant::now();
+            }
+            if fair && stable_since.elapsed() >= Duration::from_secs(2) {
+                return owners;
+            }
+            assert!(
+                start.elapsed() < within,
+                "partitions not shared fairly by {nodes:?} within {within:?}: {owners:?}{}",
+                self.all_logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Waits until node `id` exits; returns its status.
+    fn wait_exit(&mut self, id: &str, within: Duration) -> std::process::ExitStatus {
+        let guard = self.nodes.get_mut(id).expect("known node");
+        match guard.wait_timeout(within) {
+            Some(status) => status,
+            None => panic!("node {id} did not exit within {within:?}{}", self.all_logs()),
+        }
+    }
+
+    /// The summary line a node printed when it exited: (forwarded, redelivered).
+    fn summary(&self, id: &str) -> (u64, u64) {
+        let text = self.log_text(id);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("relay node {id}: forwarded")))
+            .unwrap_or_else(|| panic!("node {id} printed no summary:\n{}", tail(&text, 30)));
+        let number_before = |word: &str| -> u64 {
+            let i = line.find(word).unwrap_or_else(|| panic!("no {word:?} in {line:?}"));
+            line[..i].split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line:?}"))
+        };
+        (number_before(" records to relay-out"), number_before(" redelivered records"))
+    }
+}
+
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A record as the relay's own publisher writes it.
+fn record(id: u64) -> OutboundMessage {
+    let key = id.to_string();
+    let payload = Codec::default().encode(&Record { id, body: format!("record {id}") }).expect("encode");
+    OutboundMessage::new(format!("flotilla.relay.relay-in.{}", partition_for(&key, PARTITIONS)), payload)
+        .with_id(format!("in-{id}"))
+        .with_header(headers::KEY, key)
+        .with_header(headers::TYPE, "Record")
+        .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
+}
+
+/// Publishes records `0..` in batches until stopped; the count published so far.
+struct Feed {
+    stop: Rc<Cell<bool>>,
+    published: Rc<Cell<u64>>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl Feed {
+    /// About `per_second` records a second.
+    fn start(broker: SharedBroker, per_second: u64) -> Self {
+        let stop = Rc::new(Cell::new(false));
+        let published = Rc::new(Cell::new(0));
+        let (s, p) = (stop.clone(), published.clone());
+        let done = tokio::task::spawn_local(async move {
+            let batch = (per_second / 20).max(1);
+            while !s.get() {
+                let from = p.get();
+                let msgs: Vec<OutboundMessage> = (from..from + batch).map(record).collect();
+                let acks = broker.publish_batch(msgs).await;
+                if acks.iter().all(Result::is_ok) {
+                    p.set(from + batch);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        Self { stop, published, done }
+    }
+
+    async fn stop(self) -> u64 {
+        self.stop.set(true);
+        let _ = self.done.await;
+        self.published.get()
+    }
+}
+
+/// Every message of a stream, in stream order: (subject, headers, payload), read
+/// through a fresh consumer.
+async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers, bytes::Bytes, u64)> {
+    let name = format!("check{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
+    let spec =
+        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
+    b.ensure_consumer(stream, spec).await.expect("checker consumer");
+    let mut out = Vec::new();
+    loop {
+        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            out.push((d.subject, d.headers, d.payload, d.info.stream_seq));
+        }
+    }
+    b.delete_consumer(stream, &name).await.expect("delete checker");
+    out
+}
+
+/// The record ids in relay-out.
+async fn out_ids(b: &SharedBroker) -> BTreeSet<u64> {
+    read_stream(b, OUT)
+        .await
+        .iter()
+        .filter_map(|(_, _, payload, _)| Codec::default().decode::<Record>(payload).ok().map(|r| r.id))
+        .collect()
+}
+
+async fn wait_all_out(c: &Cluster, n: u64, within: Duration) {
+    let start = Instant::now();
+    loop {
+        let stored = c.broker.stream_state(OUT).await.map(|s| s.messages).unwrap_or(0);
+        if stored >= n {
+            break;
+        }
+        assert!(start.elapsed() < within, "relay-out has {stored} of {n} after {within:?}{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let ids = out_ids(&c.broker).await;
+    let missing: Vec<u64> = (0..n).filter(|i| !ids.contains(i)).take(20).collect();
+    assert!(missing.is_empty(), "relay-out misses records (first 20): {missing:?}");
+}
+
+#[actix_rt::test]
+async fn three_nodes_share_eight_partitions_and_a_fourth_joins_moving_only_what_it_needs() {
+    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let before = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 300);
+    c.add("d");
+    let after = c.wait_balanced(&["a", "b", "c", "d"], Duration::from_secs(40)).await;
+    let moved: Vec<u32> = (0..PARTITIONS).filter(|p| before.get(p) != after.get(p)).collect();
+    assert_eq!(moved.len(), 2, "3 → 4 nodes over 8 partitions moves exactly 2: before {before:?}, after {after:?}");
+    assert!(moved.iter().all(|p| after[p] == "d"), "only partitions for the new node move: {before:?} → {after:?}");
+    let n = feed.stop().await;
+    wait_all_out(&c, n, Duration::from_secs(60)).await;
+    let status = c.relay_cmd(&["status", "--json"]);
+    assert!(status.status.success(), "status failed: {}", String::from_utf8_lossy(&status.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status --json is JSON");
+    assert_eq!(json["nodes"].as_array().map(Vec::len), Some(4), "{json}");
+    assert_eq!(json["partitions"].as_array().map(Vec::len), Some(PARTITIONS as usize), "{json}");
+    for node in ["a", "b", "c", "d"] {
+        c.nodes.get(node).expect("node").signal("TERM");
+    }
+    for node in ["a", "b", "c", "d"] {
+        assert!(c.wait_exit(node, Duration::from_secs(30)).success(), "node {node} exits 0");
+    }
+}
+
+#[actix_rt::test]
+async fn a_killed_node_s_partitions_produce_elsewhere_within_two_ttls_and_nothing_is_lost() {
+    let c = Cluster::start(&["a", "b", "c"]).await;
+    let owners = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    // Watch relay-out as it is written: the first output of each partition per epoch.
+    let mut watch = c.broker.subscribe("flotilla.relay.relay-out.*", None).await.expect("watch");
+    let seen: Rc<RefCell<Vec<(Instant, u32, u64)>>> = Rc::default();
+    let s = seen.clone();
+    let watcher = tokio::task::spawn_local(async move {
+        while let Some(m) = watch.next().await {
+            let Some(p) = m.subject.rsplit('.').next().and_then(|p| p.parse().ok()) else { continue };
+            let epoch = m.headers.get(headers::EPOCH).and_then(|e| e.parse().ok()).unwrap_or(0);
+            s.borrow_mut().push((Instant::now(), p, epoch));
+        }
+    });
+    let feed = Feed::start(c.broker.clone(), 400);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let victim = "b";
+    let moved: Vec<u32> = owners.iter().filter(|(_, o)| *o == victim).map(|(p, _)| *p).collect();
+    let old_epochs: BTreeMap<u32, u64> = c.owners().await.into_iter().map(|(p, (_, e))| (p, e)).collect();
+    c.nodes.get(victim).expect("victim").signal("KILL");
+    let killed_at = Instant::now();
+    // Each moved partition must produce with a newer epoch within 2 × TTL.
+    let mut failover = BTreeMap::new();
+    while failover.len() < moved.len() && killed_at.elapsed() < TTL * 2 + Duration::from_secs(10) {
+        for (at, p, epoch) in seen.borrow().iter() {
+            if moved.contains(p) && *epoch > old_epochs.get(p).copied().unwrap_or(0) && *at > killed_at {
+                failover.entry(*p).or_insert(at.duration_since(killed_at));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watcher.abort();
+    for p in &moved {
+        let took = failover.get(p).copied();
+        assert!(
+            took.is_some_and(|t| t <= TTL * 2),
+            "partition {p} of the killed node produced again after {took:?} (limit {:?}); all: {failover:?}{}",
+            TTL * 2,
+            c.all_logs()
+        );
+    }
+    eprintln!("failover (kill -9 → first output, lease TTL {TTL:?}): {failover:?}");
+    let n = feed.stop().await;
+    wait_all_out(&c, n, Duration::from_secs(90)).await;
+}
+
+#[actix_rt::test]
+async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
+    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 400);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let stop = c.relay_cmd(&["stop", "--node", "b", "--timeout", "30s"]);
+    assert!(stop.status.success(), "stop --node b failed: {}{}", String::from_utf8_lossy(&stop.stderr), c.all_logs());
+    assert!(c.wait_exit("b", Duration::from_secs(30)).success(), "b exits 0");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let n = feed.stop().await;
+    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    let shutdown = c.relay_cmd(&["shutdown", "--timeout", "30s"]);
+    assert!(shutdown.status.success(), "shutdown failed: {}", String::from_utf8_lossy(&shutdown.stderr));
+    for id in ["a", "c"] {
+        assert!(c.wait_exit(id, Duration::from_secs(30)).success(), "{id} exits 0");
+    }
+    let mut forwarded = 0;
+    for id in ["a", "b", "c"] {
+        let (f, redelivered) = c.summary(id);
+        assert_eq!(redelivered, 0, "node {id} got redeliveries:{}", c.all_logs());
+        forwarded += f;
+    }
+    assert_eq!(forwarded, n, "every record was processed exactly once across the nodes");
+}
+
+#[actix_rt::test]
+async fn a_paused_node_loses_its_leases_and_publishes_nothing_stale_once_it_notices() {
+    let c = Cluster::start(&["a", "b", "c"]).await;
+    let owners = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 300);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let victim = "c";
+    let lost: Vec<u32> = owners.iter().filter(|(_, o)| *o == victim).map(|(p, _)| *p).collect();
+    c.nodes.get(victim).expect("victim").signal("STOP");
+    // Past its lease TTL, the others take its partitions.
+    let start = Instant::now();
+    loop {
+        let now = c.owners().await;
+        if lost.iter().all(|p| now.get(p).is_some_and(|(o, _)| o != victim)) {
+            break;
+        }
+        assert!(
+            start.elapsed() < TTL * 2 + Duration::from_secs(10),
+            "partitions of a paused node never moved: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.nodes.get(victim).expect("victim").signal("CONT");
+    // It notices (fence or refused renewal), stops those partitions and rejoins.
+    let start = Instant::now();
+    while !c.log_text(victim).contains("partition lost") {
+        assert!(start.elapsed() < Duration::from_secs(15), "the resumed node never noticed:{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let n = feed.stop().await;
+    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    // Per partition, in stored order, the epoch never goes back — except outputs that
+    // were in flight at the pause (at most one per partition: max_concurrency is 1).
+    let mut newest: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut stale: BTreeMap<u32, u64> = BTreeMap::new();
+    for (subject, h, _, _) in read_stream(&c.broker, OUT).await {
+        let p: u32 = subject.rsplit('.').next().and_then(|p| p.parse().ok()).expect("partition subject");
+        let epoch: u64 = h.get(headers::EPOCH).and_then(|e| e.parse().ok()).expect("epoch header");
+        let top = newest.entry(p).or_default();
+        if epoch < *top {
+            *stale.entry(p).or_default() += 1;
+        }
+        *top = (*top).max(epoch);
+    }
+    assert!(
+        stale.values().all(|n| *n <= 1) && stale.keys().all(|p| lost.contains(p)),
+        "outputs went back to an older epoch after a newer one: {stale:?} (partitions of the paused node: {lost:?}){}",
+        c.all_logs()
+    );
+}
+
+#[actix_rt::test]
+async fn drain_with_traffic_processes_exactly_what_precedes_each_marker() {
+    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 400);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let drain = c.relay_cmd(&["drain", "--deadline", "60s"]);
+    let text = String::from_utf8_lossy(&drain.stdout).to_string();
+    assert!(drain.status.success(), "drain failed: {text}{}{}", String::from_utf8_lossy(&drain.stderr), c.all_logs());
+    assert!(text.contains("8/8 partitions drained") && text.contains("done"), "{text}");
+    // Traffic goes on after the markers; the drained run processes none of it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let n = feed.stop().await;
+    for id in ["a", "b", "c"] {
+        assert!(c.wait_exit(id, Duration::from_secs(30)).success(), "{id} exits 0 once the run is drained");
+    }
+    let out = out_ids(&c.broker).await;
+    let input = read_stream(&c.broker, IN).await;
+    let mut marker: BTreeMap<String, u64> = BTreeMap::new();
+    for (subject, h, _, seq) in &input {
+        if h.kind() == Some(MessageKind::Drain) {
+            marker.entry(subject.clone()).or_insert(*seq);
+        }
+    }
+    assert_eq!(marker.len(), PARTITIONS as usize, "one marker per partition");
+    let (mut before, mut after) = (0, 0);
+    for (subject, h, payload, seq) in &input {
+        if h.kind() == Some(MessageKind::Drain) {
+            continue;
+        }
+        let id = Codec::default().decode::<Record>(payload).expect("record").id;
+        if *seq < marker[subject] {
+            before += 1;
+            assert!(out.contains(&id), "record {id} precedes its marker ({subject}) but is not in relay-out");
+        } else {
+            after += 1;
+            assert!(!out.contains(&id), "record {id} follows its marker ({subject}) but was processed");
+        }
+    }
+    assert!(
+        before > 0 && after > 0,
+        "traffic on both sides of the markers: {before} before, {after} after, {n} published"
+    );
+}
+
+#[actix_rt::test]
+async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothing() {
+    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+
+    // A second node with a live node's id is refused, saying so.
+    let dup_log = c.dir.path().join("dup.log");
+    let mut dup = ProcessGuard::spawn(
+        "duplicate relay a",
+        Command::new(&c.bin)
+            .args(["--nats", &c.server.url(), "--node-id", "a", "--lease-ttl", "3s"])
+            .env("FLOTILLA_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&dup_log).expect("log")),
+    );
+    let status = dup.wait_timeout(Duration::from_secs(20)).expect("the duplicate node exits at once");
+    let text = std::fs::read_to_string(&dup_log).unwrap_or_default();
+    assert!(!status.success() && text.contains("already alive"), "duplicate id not refused: {text}");
+
+    // Bad control requests: a clear reply each, no state change.
+    let ask = |verb: &'static str, body: &'static str| {
+        let broker = c.broker.clone();
+        async move {
+            let m = broker
+                .request(CoreMessage::new(format!("flotilla.relay._ctl.node.b.{verb}"), body), Duration::from_secs(5))
+                .await
+                .expect("b answers");
+            serde_json::from_slice::<ControlReply>(&m.payload).expect("a JSON reply")
+        }
+    };
+    let r = ask("explode", r#"{"request_id":"r1"}"#).await;
+    assert!(!r.ok && r.message.contains("unknown verb"), "{r:?}");
+    let r = ask("pause", "{not json").await;
+    assert!(!r.ok && r.message.contains("malformed"), "{r:?}");
+    let r = ask("drain", r#"{"request_id":"r2","run_id":"not-the-run"}"#).await;
+    assert!(!r.ok && r.message.contains("stale run id"), "{r:?}");
+    let r = ask("step", r#"{"request_id":"r3","stream":"relay-in","partition":0}"#).await;
+    let again = ask("step", r#"{"request_id":"r3","stream":"relay-in","partition":0}"#).await;
+    assert!(again.duplicate && !again.acted, "a repeated request id is not acted on twice: {r:?} then {again:?}");
+    let bad = c.relay_cmd(&["pause", "--stream", "nope"]);
+    assert_eq!(bad.status.code(), Some(2), "an unknown stream is refused");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("no input stream \"nope\""));
+    let bad = c.relay_cmd(&["stop", "--node", "zz"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a live member"));
+    assert_eq!(c.nodes.len(), 3);
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(10)).await;
+
+    let shutdown = c.relay_cmd(&["shutdown", "--timeout", "30s"]);
+    let text = String::from_utf8_lossy(&shutdown.stdout).to_string();
+    assert!(shutdown.status.success(), "shutdown failed: {text}{}", String::from_utf8_lossy(&shutdown.stderr));
+    assert!(text.contains("all 3 node(s) have left"), "{text}");
+    for id in ["a", "b", "c"] {
+        assert!(c.wait_exit(id, Duration::from_secs(30)).success(), "{id} exits 0");
+    }
+}
+
+#[actix_rt::test]
+async fn pause_step_and_resume_a_partition() {
+    let c = Cluster::start(&["a", "b"]).await;
+    c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
+    let paused = c.relay_cmd(&["pause", "--stream", "relay-in", "--partition", "3"]);
+    assert!(paused.status.success(), "pause failed: {}", String::from_utf8_lossy(&paused.stderr));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Records for partition 3 and for another partition.
+    let ids3: Vec<u64> = (0..200).filter(|i| partition_for(&i.to_string(), PARTITIONS) == 3).take(3).collect();
+    let other: Vec<u64> = (0..200).filter(|i| partition_for(&i.to_string(), PARTITIONS) == 4).take(3).collect();
+    for id in ids3.iter().chain(&other) {
+        c.broker.publish(record(*id)).await.expect("publish");
+    }
+    let count_in = |ids: Vec<u64>| {
+        let b = c.broker.clone();
+        async move {
+            let out = out_ids(&b).await;
+            ids.iter().filter(|i| out.contains(i)).count()
+        }
+    };
+    let start = Instant::now();
+    while count_in(other.clone()).await < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20), "the unpaused partition is stuck{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(count_in(ids3.clone()).await, 0, "the paused partition processed nothing");
+    let step = c.relay_cmd(&["step", "--stream", "relay-in", "--partition", "3"]);
+    assert!(step.status.success(), "step failed: {}", String::from_utf8_lossy(&step.stderr));
+    let start = Instant::now();
+    while count_in(ids3.clone()).await < 1 {
+        assert!(start.elapsed() < Duration::from_secs(20), "step processed nothing{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(count_in(ids3.clone()).await, 1, "a step processes exactly one message");
+    let resumed = c.relay_cmd(&["resume", "--stream", "relay-in", "--partition", "3"]);
+    assert!(resumed.status.success());
+    let start = Instant::now();
+    while count_in(ids3.clone()).await < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20), "resume did not restart intake{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[actix_rt::test]
+async fn nodes_ride_out_a_nats_server_restart_under_load_and_lose_nothing() {
+    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+    let out = c.relay_cmd(&["publish", "--count", "6000", "--start", "0"]);
+    assert!(out.status.success(), "publish: {}", String::from_utf8_lossy(&out.stderr));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.server.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    c.server.restart();
+    wait_all_out(&c, 6000, Duration::from_secs(120)).await;
+    for id in ["a", "b", "c"] {
+        let guard = c.nodes.get_mut(id).expect("node");
+        assert!(guard.wait_timeout(Duration::from_millis(10)).is_none(), "node {id} died with the server");
+    }
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
+}
