@@ -423,8 +423,24 @@ impl Job {
         self.provision(broker.clone()).await?;
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
         let b = Buckets::new(&subjects);
-        broker.ensure_kv(topology::bucket(&subjects, cluster::NODES, Some(config.node_ttl))).await?;
-        broker.ensure_kv(topology::bucket(&subjects, cluster::LEASES, Some(config.lease_ttl))).await?;
+        for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
+            match broker.ensure_kv(topology::bucket(&subjects, bucket, Some(ttl))).await {
+                Ok(()) => {}
+                Err(BrokerError::ConfigMismatch { field, existing, .. }) if field == "max_age" => {
+                    return Err(JobError::Misconfigured {
+                        job: self.name.clone(),
+                        problem: format!(
+                            "the cluster runs with a lease TTL of {} (bucket KV_{}), this node asks for {ttl:?}: every node of a job must use the same TTL. Start it with --lease-ttl matching the others, or stop every node and delete the buckets KV_{} and KV_{} to change it",
+                            existing.trim_start_matches("Some(").trim_end_matches(')'),
+                            subjects.bucket_name(bucket),
+                            subjects.bucket_name(cluster::NODES),
+                            subjects.bucket_name(cluster::LEASES),
+                        ),
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None)).await?;
 
         let record =

@@ -298,12 +298,22 @@ mod cases {
         // The owner dies holding seq 3. A new owner must not be handed 5 and 7 first.
         let state = b.consumer_state("O", "p1").await.expect("state");
         assert_eq!((state.ack_floor, state.num_ack_pending), (1, 1));
-        let reset = b.reset_consumer("O", spec, state.ack_floor + 1).await.expect("reset");
+        let reset = b.reset_consumer("O", spec.clone(), state.ack_floor + 1).await.expect("reset");
         assert_eq!((reset.num_ack_pending, reset.num_pending), (0, 3));
         let again = b.claim("O", "p1", 10, WAIT).await.expect("claim");
         let seqs: Vec<u64> = again.iter().map(|d| d.info.stream_seq).collect();
         assert_eq!(seqs, vec![3, 5, 7], "resumes at the first unacked message, in order, at once");
         assert_eq!(again[0].info.delivered, 1);
+        // The new owner dies too, before acking anything: the committed position is
+        // still 1 (a recreated consumer reports no acks of its own yet; JetStream 2.9
+        // says ack floor 0 there, which must not send the partition back to the start).
+        let state = b.consumer_state("O", "p1").await.expect("state");
+        assert_eq!((state.ack_floor, state.num_ack_pending), (1, 3), "{state:?}");
+        let reset = b.reset_consumer("O", spec.clone(), state.ack_floor + 1).await.expect("reset");
+        assert_eq!((reset.ack_floor, reset.num_pending), (1, 3), "{reset:?}");
+        let seqs: Vec<u64> =
+            b.claim("O", "p1", 10, WAIT).await.expect("claim").iter().map(|d| d.info.stream_seq).collect();
+        assert_eq!(seqs, vec![3, 5, 7]);
     }
 
     pub async fn publish_batch_is_ordered(b: SharedBroker) {

@@ -156,6 +156,8 @@ pub struct Membership {
     drained: BTreeSet<Part>,
     seen: VecDeque<String>,
     tidy_at: Instant,
+    /// Deregistered: the node is gone from the cluster; nothing more to do.
+    gone: bool,
 }
 
 impl std::fmt::Debug for Membership {
@@ -189,6 +191,7 @@ impl Membership {
             drained: BTreeSet::new(),
             seen: VecDeque::new(),
             tidy_at: now,
+            gone: false,
             s: setup,
         }
     }
@@ -562,7 +565,13 @@ impl Membership {
         if let Some(slot) = h.slot {
             self.slot_of.remove(&slot);
         }
-        let del = self.s.broker.kv_delete(&self.buckets.leases, &keys::lease(&part.0, part.1), Some(h.revision));
+        let del = release_lease(
+            self.s.broker.clone(),
+            self.buckets.leases.clone(),
+            keys::lease(&part.0, part.1),
+            self.s.node.clone(),
+            h.revision,
+        );
         let notify = self.s.broker.core_publish(CoreMessage::new(self.s.subjects.control("all.changed"), Bytes::new()));
         let part = part.clone();
         actix::spawn(async move {
@@ -732,6 +741,31 @@ impl Membership {
     }
 }
 
+/// Deletes a lease this node holds. A renewal may have moved its revision since we
+/// last looked: re-read, and delete only while the record still names this node.
+async fn release_lease(
+    broker: SharedBroker,
+    bucket: String,
+    key: String,
+    node: String,
+    mut revision: u64,
+) -> Result<(), BrokerError> {
+    for _ in 0..5 {
+        match broker.kv_delete(&bucket, &key, Some(revision)).await {
+            Err(BrokerError::KvWrongRevision { .. }) => {}
+            other => return other,
+        }
+        match broker.kv_get(&bucket, &key).await? {
+            Some(e) if serde_json::from_slice::<LeaseRecord>(&e.value).is_ok_and(|r| r.node == node) => {
+                revision = e.revision;
+            }
+            // Gone, or someone else's by now: nothing of ours to delete.
+            _ => return Ok(()),
+        }
+    }
+    Err(BrokerError::KvWrongRevision { bucket, key, expected: revision })
+}
+
 impl Held {
     fn new(revision: u64, fence: Fence) -> Self {
         Self {
@@ -765,6 +799,9 @@ impl Handler<Tick> for Membership {
     type Result = ();
 
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
+        if self.gone {
+            return;
+        }
         match tick {
             Tick::Scan => self.scan(ctx),
             Tick::Renew => {
@@ -825,6 +862,7 @@ impl Handler<Deregister> for Membership {
     type Result = ResponseActFuture<Self, ()>;
 
     fn handle(&mut self, _: Deregister, _: &mut Context<Self>) -> Self::Result {
+        self.gone = true;
         let broker = self.s.broker.clone();
         let leases: Vec<(String, u64)> = std::mem::take(&mut self.held)
             .into_iter()
@@ -835,17 +873,19 @@ impl Handler<Deregister> for Membership {
             .collect();
         let b = self.buckets.clone();
         let node = self.s.node.clone();
-        let rev = self.s.node_revision;
         let registered = self.registered;
         let changed = self.s.subjects.control("all.changed");
         Box::pin(
             async move {
                 for (key, rev) in leases {
-                    if let Err(e) = broker.kv_delete(&b.leases, &key, Some(rev)).await {
+                    if let Err(e) =
+                        release_lease(broker.clone(), b.leases.clone(), key.clone(), node.clone(), rev).await
+                    {
                         debug!(%key, error = %e, "lease not deleted; it expires on its own");
                     }
                 }
-                if registered && let Err(e) = broker.kv_delete(&b.nodes, &node, Some(rev)).await {
+                // Our own key (a heartbeat may have moved its revision a moment ago).
+                if registered && let Err(e) = broker.kv_delete(&b.nodes, &node, None).await {
                     debug!(error = %e, "membership not deleted; it expires on its own");
                 }
                 let _ = broker.core_publish(CoreMessage::new(changed, Bytes::new())).await;

@@ -326,6 +326,12 @@ fn from_consumer_info(name: &str, c: &jetstream::consumer::Config) -> ConsumerSp
 }
 
 fn consumer_state(stream: &str, info: &jetstream::consumer::Info) -> ConsumerState {
+    // A consumer created at a start sequence has committed everything before it, but
+    // until its first ack nats-server reports ack floor 0 (checked on 2.9.10).
+    let start_floor = match info.config.deliver_policy {
+        jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence } => start_sequence.saturating_sub(1),
+        _ => 0,
+    };
     ConsumerState {
         stream: stream.to_owned(),
         name: info.name.clone(),
@@ -333,7 +339,7 @@ fn consumer_state(stream: &str, info: &jetstream::consumer::Info) -> ConsumerSta
         num_pending: info.num_pending,
         num_ack_pending: info.num_ack_pending as u64,
         num_redelivered: info.num_redelivered as u64,
-        ack_floor: info.ack_floor.stream_sequence,
+        ack_floor: info.ack_floor.stream_sequence.max(start_floor),
         delivered: info.delivered.stream_sequence,
     }
 }
