@@ -61,3 +61,61 @@ fn jobs_retries_heartbeats_and_dead_letters() {
     assert!(out.contains("job 2 done on attempt 1 (ran 1 times"), "{out}");
     assert!(out.contains("job 3 dead-lettered after 3 runs: max-attempts"), "{out}");
 }
+
+/// The README's cluster walk-through, as `scripts/cluster-demo` runs it: three relay
+/// nodes, publish, status, a rolling restart, drain, a new run, shutdown. The script
+/// runs in its own process group, killed whole if it overruns or the test fails.
+#[test]
+fn the_cluster_demo_script_runs_end_to_end() {
+    use std::os::unix::process::CommandExt;
+    use std::time::{Duration, Instant};
+    struct Group(u32);
+    impl Drop for Group {
+        fn drop(&mut self) {
+            let _ = Command::new("kill").arg("-KILL").arg(format!("-{}", self.0)).status();
+        }
+    }
+    example_bin("relay");
+    let server = flotilla_tests::NatsServer::start();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace").to_path_buf();
+    let dir = tempfile::tempdir().expect("tmp");
+    let log = dir.path().join("demo.log");
+    let mut child = Command::new("bash")
+        .arg(root.join("scripts/cluster-demo"))
+        .arg(server.url())
+        .env("COUNT", "3000")
+        .env_remove("FLOTILLA_NATS")
+        .stdout(std::fs::File::create(&log).expect("log"))
+        .stderr(std::fs::File::create(dir.path().join("demo.err")).expect("log"))
+        .process_group(0)
+        .spawn()
+        .expect("start the demo");
+    let _group = Group(child.id());
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(150),
+            "the demo overran 150 s:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let out = std::fs::read_to_string(&log).unwrap_or_default();
+    let err = std::fs::read_to_string(dir.path().join("demo.err")).unwrap_or_default();
+    assert!(status.success(), "the demo failed:\n{out}\n{err}");
+    for expected in ["all 1 node(s) have left", "drain: done", "all 3 node(s) have left", "node c exited 0", "== done"]
+    {
+        assert!(out.contains(expected), "no {expected:?} in the demo's output:\n{out}");
+    }
+    // Every record but the 3 poison ones was forwarded exactly once, never redelivered.
+    let forwarded: u64 = out
+        .lines()
+        .filter(|l| l.starts_with("relay node"))
+        .filter_map(|l| l.split("forwarded ").nth(1)?.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(forwarded, 2997, "{out}");
+    assert!(out.lines().filter(|l| l.starts_with("relay node")).all(|l| l.ends_with("0 redelivered records")), "{out}");
+}
