@@ -512,6 +512,13 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
             serde_json::from_slice::<ControlReply>(&m.payload).expect("a JSON reply")
         }
     };
+    let r = c
+        .broker
+        .request(CoreMessage::new("flotilla.relay._ctl.all.stop", r#"{"request_id":"r0"}"#), Duration::from_secs(5))
+        .await
+        .expect("an answer");
+    let r: ControlReply = serde_json::from_slice(&r.payload).expect("JSON");
+    assert!(!r.ok && r.message.contains("stop is for one node"), "{r:?}");
     let r = ask("explode", r#"{"request_id":"r1"}"#).await;
     assert!(!r.ok && r.message.contains("unknown verb"), "{r:?}");
     let r = ask("pause", "{not json").await;

@@ -662,6 +662,18 @@ impl Membership {
             self.reply(msg.reply, reply);
             return;
         }
+        if verb == "stop" && !msg.subject.contains("._ctl.node.") {
+            let reply = self.answer(
+                &id,
+                false,
+                format!(
+                    "stop is for one node: send it to {} (shutdown stops them all)",
+                    self.s.subjects.control(&format!("node.{}.stop", self.s.node))
+                ),
+            );
+            self.reply(msg.reply, reply);
+            return;
+        }
         if let Some(run) = &request.run_id
             && *run != self.s.run_id
         {
