@@ -28,7 +28,7 @@ use crate::task::{Task, TaskEnv};
 use crate::task_worker::{Binding, TaskWorker};
 use crate::timer_service::{Promotion, TimerService};
 use actix::prelude::*;
-use flotilla_transport::broker::{BrokerError, SharedBroker};
+use flotilla_transport::broker::{BrokerError, ConsumerSpec, SharedBroker};
 use flotilla_transport::topology;
 use flotilla_transport::wire::{Codec, JobName, MessageId, NameError, StreamName, Subjects};
 use std::rc::Rc;
@@ -360,7 +360,7 @@ impl Job {
                     for p in 0..partitions {
                         // This node owns every partition: take over what a dead
                         // previous owner left unacked, at the committed position.
-                        let spec = topology::partition_consumer(&subjects, &name, p, c.ack_wait, c.window);
+                        let spec = partition_spec(&subjects, t, &name, p);
                         topology::take_over_partition(&broker, &js_stream, spec.clone()).await?;
                         let mut s = slot(
                             t,
@@ -391,13 +391,7 @@ impl Job {
                 }
             }
         }
-        let timers = TimerService::with_promotion(Promotion {
-            broker: broker.clone(),
-            js_stream: subjects.timer_stream_name(),
-            consumer: topology::timer_consumer().name,
-        })
-        .start();
-        let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+        let (timers, reaper) = node_services(&broker, &subjects);
         let (tx, rx) = oneshot::channel();
         let container = Container::new(broker, subjects, self.container, slots, timers, reaper, tx).start();
         Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone(), membership: None })
@@ -554,7 +548,7 @@ impl Job {
                 c.window as usize,
                 Some((epoch, fence)),
             );
-            spec.takeover = Some(topology::partition_consumer(&factory_subjects, &name, p, c.ack_wait, c.window));
+            spec.takeover = Some(partition_spec(&factory_subjects, t, &name, p));
             spec.paused = paused;
             Some(spec)
         });
@@ -562,20 +556,10 @@ impl Job {
         let takeover: crate::membership::TakeoverSpec = Rc::new(move |stream, p| {
             let t = tasks.iter().find(|t| t.stream == stream)?;
             let name = StreamName::new(t.stream).ok()?;
-            let c = &t.config;
-            Some((
-                takeover_subjects.stream_name(&name),
-                topology::partition_consumer(&takeover_subjects, &name, p, c.ack_wait, c.window),
-            ))
+            Some((takeover_subjects.stream_name(&name), partition_spec(&takeover_subjects, t, &name, p)))
         });
 
-        let timers = TimerService::with_promotion(Promotion {
-            broker: broker.clone(),
-            js_stream: subjects.timer_stream_name(),
-            consumer: topology::timer_consumer().name,
-        })
-        .start();
-        let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+        let (timers, reaper) = node_services(&broker, subjects);
         let (tx, rx) = oneshot::channel();
         let membership_ctx = Context::<Membership>::new();
         let membership = membership_ctx.address();
@@ -615,6 +599,22 @@ impl Job {
         }
         Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)) })
     }
+}
+
+/// The node's timer service (promoting the job's delayed messages) and reaper.
+fn node_services(broker: &SharedBroker, subjects: &Subjects) -> (Addr<TimerService>, Addr<Reaper>) {
+    let timers = TimerService::with_promotion(Promotion {
+        broker: broker.clone(),
+        js_stream: subjects.timer_stream_name(),
+        consumer: topology::timer_consumer().name,
+    })
+    .start();
+    (timers, Reaper::new(broker.clone(), subjects.clone()).start())
+}
+
+/// The consumer of partition `p` of `t`'s input, as provisioned.
+fn partition_spec(subjects: &Subjects, t: &TaskEntry, name: &StreamName, p: u32) -> ConsumerSpec {
+    topology::partition_consumer(subjects, name, p, t.config.ack_wait, t.config.window)
 }
 
 fn json<T: serde::Serialize>(value: &T) -> bytes::Bytes {
