@@ -415,14 +415,19 @@ impl Job {
             return Err(JobError::NodeIdInvalid(node.to_owned()));
         }
         self.provision(broker.clone()).await?;
-        let subjects = Subjects::new(JobName::new(self.name.clone())?);
+        // A claim sent just before a partition's fence closes must end on the server
+        // before the lease can expire (at a third of the TTL after the fence), or it
+        // could take messages from the next owner's consumer.
+        let mut this = self;
+        this.container.claim_wait = this.container.claim_wait.min(config.lease_ttl / 4);
+        let subjects = Subjects::new(JobName::new(this.name.clone())?);
         let b = Buckets::new(&subjects);
         for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
             match broker.ensure_kv(topology::bucket(&subjects, bucket, Some(ttl))).await {
                 Ok(()) => {}
                 Err(BrokerError::ConfigMismatch { field, existing, .. }) if field == "max_age" => {
                     return Err(JobError::Misconfigured {
-                        job: self.name.clone(),
+                        job: this.name.clone(),
                         problem: format!(
                             "the cluster runs with a lease TTL of {} (bucket KV_{}), this node asks for {ttl:?}: every node of a job must use the same TTL. Start it with --lease-ttl matching the others, or stop every node and delete the buckets KV_{} and KV_{} to change it",
                             existing.trim_start_matches("Some(").trim_end_matches(')'),
@@ -451,7 +456,7 @@ impl Job {
                     _ => "an entry that is just expiring".to_owned(),
                 };
                 return Err(JobError::NodeIdTaken {
-                    job: self.name.clone(),
+                    job: this.name.clone(),
                     node: node.to_owned(),
                     holder,
                     ttl: config.node_ttl,
@@ -459,7 +464,7 @@ impl Job {
             }
             Err(e) => return Err(e.into()),
         };
-        match self.join(broker.clone(), &subjects, &b, node, node_value, node_revision, config).await {
+        match this.join(broker.clone(), &subjects, &b, node, node_value, node_revision, config).await {
             Ok(running) => Ok(running),
             Err(e) => {
                 // Do not block a restart with this id for a whole TTL.
@@ -713,8 +718,15 @@ fn slot(
         Some((epoch, fence)) => (epoch, Some(fence)),
         None => (0, None),
     };
-    let binding =
-        Binding { stream: t.stream, kind: t.kind, type_name: t.type_name, partition, slot: index, epoch, fence };
+    let binding = Binding {
+        stream: t.stream,
+        kind: t.kind,
+        type_name: t.type_name,
+        partition,
+        slot: index,
+        epoch,
+        fence: fence.clone(),
+    };
     SlotSpec {
         stream: t.stream.to_owned(),
         partition,
@@ -725,6 +737,7 @@ fn slot(
         sweep: matches!(t.kind, StreamKind::Queue),
         takeover: None,
         epoch,
+        fence,
         paused: false,
         spawn: Box::new(move |sc| {
             starter(env.clone(), Binding { slot: sc.slot, ..binding.clone() }, config.clone(), sc)

@@ -534,7 +534,9 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
     let bad = c.relay_cmd(&["stop", "--node", "zz"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not a live member"));
-    assert_eq!(c.nodes.len(), 3);
+    for (id, node) in c.nodes.iter_mut() {
+        assert!(node.wait_timeout(Duration::from_millis(10)).is_none(), "node {id} exited on bad control input");
+    }
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(10)).await;
 
     let shutdown = c.relay_cmd(&["shutdown", "--timeout", "30s"]);
@@ -581,6 +583,29 @@ async fn pause_step_and_resume_a_partition() {
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(count_in(ids3.clone()).await, 1, "a step processes exactly one message");
+    // The same step request sent twice (a retry) steps once; the retry gets the first
+    // answer again, marked as a duplicate.
+    let holder = c.owners().await.get(&3).map(|(n, _)| n.clone()).expect("partition 3 is held");
+    let step_twice = || {
+        let (broker, subject) = (c.broker.clone(), format!("flotilla.relay._ctl.node.{holder}.step"));
+        async move {
+            let body = r#"{"request_id":"step-twice","stream":"relay-in","partition":3}"#;
+            let m =
+                broker.request(CoreMessage::new(subject, body), Duration::from_secs(5)).await.expect("holder answers");
+            serde_json::from_slice::<ControlReply>(&m.payload).expect("a JSON reply")
+        }
+    };
+    let first = step_twice().await;
+    assert!(first.ok && first.acted && !first.duplicate, "{first:?}");
+    let again = step_twice().await;
+    assert!(again.duplicate && again.acted, "a retried step reports what the first did: {again:?}");
+    let start = Instant::now();
+    while count_in(ids3.clone()).await < 2 {
+        assert!(start.elapsed() < Duration::from_secs(20), "the second step processed nothing{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(count_in(ids3.clone()).await, 2, "a step request retried with its id steps once");
     let resumed = c.relay_cmd(&["resume", "--stream", "relay-in", "--partition", "3"]);
     assert!(resumed.status.success());
     let start = Instant::now();
@@ -588,6 +613,14 @@ async fn pause_step_and_resume_a_partition() {
         assert!(start.elapsed() < Duration::from_secs(20), "resume did not restart intake{}", c.all_logs());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // A drain that cannot finish (a paused partition never reaches its marker) ends at
+    // its deadline, names what is stuck and exits 1.
+    let paused = c.relay_cmd(&["pause", "--stream", "relay-in", "--partition", "3"]);
+    assert!(paused.status.success(), "pause failed: {}", String::from_utf8_lossy(&paused.stderr));
+    let drain = c.relay_cmd(&["drain", "--deadline", "4s"]);
+    let text = format!("{}{}", String::from_utf8_lossy(&drain.stdout), String::from_utf8_lossy(&drain.stderr));
+    assert_eq!(drain.status.code(), Some(1), "a drain past its deadline exits 1: {text}");
+    assert!(text.contains("deadline") && text.contains("relay-in/3 (held by"), "the stuck partition is named: {text}");
 }
 
 #[actix_rt::test]

@@ -79,6 +79,10 @@ pub struct SlotSpec {
     pub takeover: Option<flotilla_transport::broker::ConsumerSpec>,
     /// The partition's lease epoch (0 without leases).
     pub epoch: u64,
+    /// Cluster mode: the partition's lease fence. Nothing is claimed for the slot, and a
+    /// restart does not reset the partition's consumer, once it is no longer valid (the
+    /// lease may be someone else's by then, and so would the claimed messages be).
+    pub fence: Option<crate::cluster::Fence>,
     /// Starts paused.
     pub paused: bool,
     /// Starts the worker.
@@ -104,6 +108,10 @@ struct Slot {
     backoff_until: Option<tokio::time::Instant>,
     /// Restarts since the task last finished a message.
     restarts: u32,
+    /// The failed task waits for a restart (`Tick::Restart`).
+    restart_pending: bool,
+    /// The restart is resetting the partition's consumer.
+    resetting: bool,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
     paused: bool,
@@ -127,6 +135,8 @@ impl Slot {
             failures: 0,
             backoff_until: None,
             restarts: 0,
+            restart_pending: false,
+            resetting: false,
             stopping: false,
             paused,
             step_credits: 0,
@@ -283,6 +293,7 @@ impl Container {
                 || slot.stopping
                 || slot.worker.is_none()
                 || slot.backoff_until.is_some_and(|t| t > now)
+                || slot.spec.fence.as_ref().is_some_and(|f| !f.valid())
             {
                 continue;
             }
@@ -527,6 +538,7 @@ impl Handler<WorkerReport> for Container {
                             // every time does not restart it in a tight loop.
                             s.restarts += 1;
                             s.worker = None;
+                            s.restart_pending = true;
                             let base = Duration::from_millis(100).saturating_mul(1 << s.restarts.min(9));
                             let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.8..1.2));
                             warn!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
@@ -583,19 +595,25 @@ impl Handler<ReleaseSlot> for Container {
     type Result = ();
 
     fn handle(&mut self, ReleaseSlot(i): ReleaseSlot, _: &mut Context<Self>) {
-        if let Some(s) = self.slots.get_mut(i)
-            && !s.finished
-            && !s.stopping
-        {
+        let Some(s) = self.slots.get_mut(i) else { return };
+        if s.restart_pending {
+            // The failed task waits for a restart: nothing runs, so it ends now and the
+            // restart is cancelled (the lease goes to whoever takes it next).
+            info!(stream = %s.spec.stream, partition = ?s.spec.partition, "handing over a partition whose task waits for a restart");
+            s.restart_pending = false;
+            s.stopping = true;
+            s.finished = true;
+            if !s.resetting {
+                // (A reset in flight reports it when it returns.)
+                self.report_ended(i, Outcome::Stopped);
+            }
+            return;
+        }
+        if !s.finished && !s.stopping {
             info!(stream = %s.spec.stream, partition = ?s.spec.partition, "handing a partition over");
             s.stopping = true;
-            match &s.worker {
-                Some(w) => w.stop.do_send(StopWorker),
-                None => {
-                    // Waiting for a restart: nothing runs, it ends now.
-                    s.finished = true;
-                    self.report_ended(i, Outcome::Stopped);
-                }
+            if let Some(w) = &s.worker {
+                w.stop.do_send(StopWorker);
             }
         }
     }
@@ -672,11 +690,23 @@ impl Handler<Tick> for Container {
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
             Tick::Resume => {}
-            Tick::Restart(slot) if !self.stopping && self.slots.get(slot).is_some_and(|s| s.worker.is_none()) => {
-                let s = &self.slots[slot];
+            Tick::Restart(slot) if !self.stopping && self.slots.get(slot).is_some_and(|s| s.restart_pending) => {
+                let s = &mut self.slots[slot];
+                if s.spec.fence.as_ref().is_some_and(|f| !f.valid()) {
+                    // The lease lapsed while the task waited: the partition (and its
+                    // consumer) may be another node's now. End the slot instead.
+                    s.restart_pending = false;
+                    s.finished = true;
+                    self.report_ended(slot, Outcome::Stopped);
+                    return;
+                }
                 match s.spec.takeover.clone() {
-                    None => self.spawn_worker(slot, ctx),
+                    None => {
+                        s.restart_pending = false;
+                        self.spawn_worker(slot, ctx);
+                    }
                     Some(spec) => {
+                        s.resetting = true;
                         let broker = self.broker.clone();
                         let js = s.spec.js_stream.clone();
                         let fut =
@@ -685,7 +715,13 @@ impl Handler<Tick> for Container {
                             if let Err(e) = result {
                                 warn!(error = %e, "could not reset the partition before restarting its task");
                             }
-                            if !act.stopping {
+                            let Some(s) = act.slots.get_mut(slot) else { return };
+                            s.resetting = false;
+                            if !s.restart_pending {
+                                // Released meanwhile: it ends now that no reset is out.
+                                act.report_ended(slot, Outcome::Stopped);
+                            } else if !act.stopping {
+                                s.restart_pending = false;
                                 act.spawn_worker(slot, ctx);
                                 act.pump(ctx);
                             }

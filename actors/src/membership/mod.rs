@@ -154,7 +154,8 @@ pub struct Membership {
     paused: PauseRecord,
     drain: Option<RequestRecord>,
     drained: BTreeSet<Part>,
-    seen: VecDeque<String>,
+    /// Control requests handled lately, with the first answer to each.
+    seen: VecDeque<(String, ControlReply)>,
     tidy_at: Instant,
     /// Deregistered: the node is gone from the cluster; nothing more to do.
     gone: bool,
@@ -431,39 +432,63 @@ impl Membership {
     fn renew_all(&mut self, ctx: &mut Context<Self>) {
         let due: Vec<Part> = self.held.iter().filter(|(_, h)| !h.renewing).map(|(p, _)| p.clone()).collect();
         for part in due {
-            let Some(h) = self.held.get_mut(&part) else { continue };
-            h.renewing = true;
-            let fut = self.s.broker.kv_update(
-                &self.buckets.leases,
-                &keys::lease(&part.0, part.1),
-                Bytes::from(
-                    serde_json::to_vec(&LeaseRecord { node: self.s.node.clone(), epoch: h.epoch }).unwrap_or_default(),
-                ),
-                h.revision,
-            );
-            let sent = Instant::now();
-            ctx.spawn(fut.into_actor(self).map(move |result, act, _| {
-                let until = act.valid_after(sent);
-                let took = sent.elapsed();
-                if took > act.s.config.lease_ttl / 6 {
-                    warn!(stream = %part.0, partition = part.1, ?took, "lease renewal was slow");
-                }
-                let Some(h) = act.held.get_mut(&part) else { return };
-                h.renewing = false;
-                match result {
-                    Ok(rev) => {
-                        h.revision = rev;
+            self.renew(part, ctx);
+        }
+    }
+
+    /// Renews one lease by compare-and-set. A renewal that takes longer than a sixth of
+    /// the TTL is abandoned and tried again on the next beat, so one lost request does
+    /// not let the fence run out. A refused one whose write did land (the reply was
+    /// lost) is recognised by re-reading the key: it still names this node and epoch.
+    fn renew(&mut self, part: Part, ctx: &mut Context<Self>) {
+        let Some(h) = self.held.get_mut(&part) else { return };
+        h.renewing = true;
+        let epoch = h.epoch;
+        let (broker, bucket, key, node) =
+            (self.s.broker.clone(), self.buckets.leases.clone(), keys::lease(&part.0, part.1), self.s.node.clone());
+        let value = Bytes::from(serde_json::to_vec(&LeaseRecord { node: node.clone(), epoch }).unwrap_or_default());
+        let update = broker.kv_update(&bucket, &key, value, h.revision);
+        let limit = self.s.config.lease_ttl / 6;
+        let fut = async move {
+            match tokio::time::timeout(limit, update).await {
+                Err(_) => Err(BrokerError::TimedOut { operation: format!("renew lease {key}"), after: limit }),
+                Ok(Err(BrokerError::KvWrongRevision { .. })) => match broker.kv_get(&bucket, &key).await {
+                    Ok(Some(e))
+                        if serde_json::from_slice::<LeaseRecord>(&e.value)
+                            .is_ok_and(|r| r.node == node && r.epoch == epoch) =>
+                    {
+                        Ok((e.revision, false))
+                    }
+                    Ok(_) => Err(BrokerError::KvWrongRevision { bucket, key, expected: 0 }),
+                    Err(e) => Err(e),
+                },
+                Ok(result) => result.map(|rev| (rev, true)),
+            }
+        };
+        let sent = Instant::now();
+        ctx.spawn(fut.into_actor(self).map(move |result, act, _| {
+            let until = act.valid_after(sent);
+            let took = sent.elapsed();
+            if took > act.s.config.lease_ttl / 6 {
+                warn!(stream = %part.0, partition = part.1, ?took, "lease renewal was slow");
+            }
+            let Some(h) = act.held.get_mut(&part) else { return };
+            h.renewing = false;
+            match result {
+                Ok((rev, renewed)) => {
+                    h.revision = rev;
+                    if renewed {
                         h.fence.extend(until);
                     }
-                    Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => {
-                        act.lose(&part, "lease renewal refused");
-                    }
-                    Err(e) => {
-                        debug!(stream = %part.0, partition = part.1, error = %e, "lease renewal failed; retrying")
-                    }
                 }
-            }));
-        }
+                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => {
+                    act.lose(&part, "lease renewal refused");
+                }
+                Err(e) => {
+                    debug!(stream = %part.0, partition = part.1, error = %e, "lease renewal failed; retrying")
+                }
+            }
+        }));
     }
 
     /// Partitions whose fence ran out (no renewal for two thirds of the TTL): stop them.
@@ -540,6 +565,9 @@ impl Membership {
             info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
             act.unleased_since.remove(&part);
             act.held.insert(part.clone(), Held::new(revision, fence));
+            // The record was created before its revision was known: write the epoch
+            // into it now, so readers of LEASES see it at once.
+            act.renew(part.clone(), ctx);
             let add = act.s.container.send(spec);
             ctx.spawn(add.into_actor(act).map(move |slot, act, _| {
                 let Ok(Some(slot)) = slot else { return };
@@ -685,72 +713,89 @@ impl Membership {
             self.reply(msg.reply, reply);
             return;
         }
-        if verb != "status" {
-            if self.seen.contains(&id) {
-                let mut reply = self.answer(&id, true, format!("request {id} was already handled; nothing done again"));
-                reply.duplicate = true;
-                self.reply(msg.reply, reply);
-                return;
-            }
-            self.seen.push_back(id.clone());
-            if self.seen.len() > SEEN_REQUESTS {
-                self.seen.pop_front();
-            }
+        if verb == "status" {
+            let snapshot = self.s.container.send(Snapshot);
+            let reply_to = msg.reply;
+            let base = self.answer(&id, true, "status");
+            let (node, run_id, leaving) = (self.s.node.clone(), self.s.run_id.clone(), self.leaving.is_some());
+            ctx.spawn(snapshot.into_actor(self).map(move |slots, act, _| {
+                let mut reply = base;
+                reply.status = Some(NodeStatus {
+                    node,
+                    pid: std::process::id(),
+                    run_id,
+                    leaving,
+                    slots: slots.unwrap_or_default(),
+                });
+                act.reply(reply_to, reply);
+            }));
+            return;
         }
-        match verb.as_str() {
-            "status" => {
-                let snapshot = self.s.container.send(Snapshot);
-                let reply_to = msg.reply;
-                let base = self.answer(&id, true, "status");
-                let (node, run_id, leaving) = (self.s.node.clone(), self.s.run_id.clone(), self.leaving.is_some());
-                ctx.spawn(snapshot.into_actor(self).map(move |slots, act, _| {
-                    let mut reply = base;
-                    reply.status = Some(NodeStatus {
-                        node,
-                        pid: std::process::id(),
-                        run_id,
-                        leaving,
-                        slots: slots.unwrap_or_default(),
-                    });
-                    act.reply(reply_to, reply);
-                }));
-            }
+        // A retried request gets the first answer again (with what it did), marked as a
+        // duplicate, and is not acted on twice.
+        if let Some((_, first)) = self.seen.iter().find(|(seen, _)| *seen == id) {
+            let mut reply = first.clone();
+            reply.duplicate = true;
+            reply.message = format!("request {id} was already handled ({}); nothing done again", first.message);
+            self.reply(msg.reply, reply);
+            return;
+        }
+        let reply = match verb.as_str() {
             "pause" | "resume" | "drain" => {
                 // The sender wrote the desired state first; read it now.
                 self.scan(ctx);
-                let reply = self.answer(&id, true, format!("{verb}: applying the desired state"));
-                self.reply(msg.reply, reply);
+                self.answer(&id, true, format!("{verb}: applying the desired state"))
             }
-            "step" => {
-                let (Some(stream), Some(p)) = (request.stream.clone(), request.partition) else {
-                    let reply = self.answer(&id, false, "step needs a stream and a partition");
-                    self.reply(msg.reply, reply);
-                    return;
-                };
-                let part = (stream, p);
-                let mut reply = match self.held.get(&part).and_then(|h| h.slot) {
-                    Some(slot) if self.paused.covers(&part.0, Some(p)) => {
-                        self.s.container.do_send(StepSlot(slot));
-                        let mut r = self.answer(&id, true, format!("stepped {}/{p}: one message", part.0));
-                        r.acted = true;
-                        r
+            "step" => match (request.stream.clone(), request.partition) {
+                (Some(stream), Some(p)) => {
+                    let part = (stream, p);
+                    match self.held.get(&part).and_then(|h| h.slot) {
+                        Some(slot) if self.paused.covers(&part.0, Some(p)) => {
+                            self.s.container.do_send(StepSlot(slot));
+                            let mut r = self.answer(&id, true, format!("stepped {}/{p}: one message", part.0));
+                            r.acted = true;
+                            r
+                        }
+                        Some(_) => self.answer(&id, false, format!("{}/{p} is not paused; pause it first", part.0)),
+                        None => self.answer(&id, true, format!("{}/{p} is not held here", part.0)),
                     }
-                    Some(_) => self.answer(&id, false, format!("{}/{p} is not paused; pause it first", part.0)),
-                    None => self.answer(&id, true, format!("{}/{p} is not held here", part.0)),
-                };
-                reply.duplicate = false;
-                self.reply(msg.reply, reply);
-            }
-            "stop" | "shutdown" => {
-                let reason = if verb == "stop" { LeaveReason::StopRequested } else { LeaveReason::Shutdown };
+                }
+                _ => self.answer(&id, false, "step needs a stream and a partition"),
+            },
+            _ => {
                 let mut reply = self.answer(&id, true, "leaving: handing partitions over, then exiting");
                 reply.acted = true;
-                self.reply(msg.reply, reply);
-                self.leave(reason, ctx);
+                reply
             }
-            _ => {}
+        };
+        self.seen.push_back((id.clone(), reply.clone()));
+        if self.seen.len() > SEEN_REQUESTS {
+            self.seen.pop_front();
+        }
+        self.reply(msg.reply, reply);
+        if verb == "stop" || verb == "shutdown" {
+            let reason = if verb == "stop" { LeaveReason::StopRequested } else { LeaveReason::Shutdown };
+            self.leave(reason, ctx);
         }
     }
+}
+
+/// Deletes this process's membership key, compare-and-set, unless another process
+/// holds the id by now.
+async fn release_membership(broker: &SharedBroker, bucket: &str, node: &str) -> Result<(), BrokerError> {
+    for _ in 0..5 {
+        let Some(e) = broker.kv_get(bucket, node).await? else { return Ok(()) };
+        let mine = serde_json::from_slice::<crate::cluster::NodeRecord>(&e.value)
+            .is_ok_and(|r| r.pid == std::process::id() && r.node == node);
+        if !mine {
+            return Ok(());
+        }
+        match broker.kv_delete(bucket, node, Some(e.revision)).await {
+            Err(BrokerError::KvWrongRevision { .. }) => {}
+            other => return other,
+        }
+    }
+    Ok(())
 }
 
 /// Deletes a lease this node holds. A renewal may have moved its revision since we
@@ -896,8 +941,9 @@ impl Handler<Deregister> for Membership {
                         debug!(%key, error = %e, "lease not deleted; it expires on its own");
                     }
                 }
-                // Our own key (a heartbeat may have moved its revision a moment ago).
-                if registered && let Err(e) = broker.kv_delete(&b.nodes, &node, None).await {
+                // Our own key, and only while it is still this process's: after a long
+                // pause a new process may have registered the same id.
+                if registered && let Err(e) = release_membership(&broker, &b.nodes, &node).await {
                     debug!(error = %e, "membership not deleted; it expires on its own");
                 }
                 let _ = broker.core_publish(CoreMessage::new(changed, Bytes::new())).await;

@@ -172,6 +172,8 @@ pub struct TaskWorker<T: Task> {
     /// Stream sequences held (ordered): redeliveries of these are dropped.
     known: HashSet<u64>,
     committed_seq: u64,
+    /// Ordered inputs: the delivery whose ack-all made the last commit.
+    last_commit: Option<AckToken>,
     retries: VecDeque<u64>,
     due_timers: Vec<String>,
     stopping: bool,
@@ -212,6 +214,7 @@ impl<T: Task> TaskWorker<T> {
             claimed: BTreeMap::new(),
             known: HashSet::new(),
             committed_seq: 0,
+            last_commit: None,
             retries: VecDeque::new(),
             due_timers: Vec::new(),
             stopping: false,
@@ -704,6 +707,7 @@ impl<T: Task> TaskWorker<T> {
                 if let Some((_, last)) = done.iter().next_back() {
                     self.ack(&last.token, AckKind::Ack);
                     self.committed_seq = self.committed_seq.max(last.seq);
+                    self.last_commit = Some(last.token.clone());
                 }
             } else {
                 // Queue data messages were acked one by one; what is left are markers.
@@ -806,12 +810,27 @@ impl<T: Task> TaskWorker<T> {
         }
         self.finished = true;
         self.state.mark_complete();
+        // Handing an ordered partition over: the next owner resets its consumer at the
+        // ack floor it reads, so the last commit must have reached the broker before
+        // the lease goes (re-acking the same ack-all is idempotent).
+        let confirm = match (&self.last_commit, &outcome) {
+            (Some(token), Outcome::Stopped | Outcome::Drained) if !self.binding.fenced() => {
+                Some(self.env.broker.ack_confirmed(token, AckKind::Ack))
+            }
+            _ => None,
+        };
         let flush = self.env.broker.flush();
+        let (stream, partition) = (self.binding.stream, self.binding.partition);
         let report = WorkerReport::Finished { slot: self.binding.slot, outcome };
         let container = self.container.clone();
         ctx.spawn(
             async move {
                 let _ = flush.await;
+                if let Some(confirm) = confirm
+                    && let Err(e) = confirm.await
+                {
+                    warn!(stream, ?partition, error = %e, "last commit not confirmed; the next owner may process its messages again");
+                }
                 container.do_send(report);
             }
             .into_actor(self)
