@@ -189,15 +189,23 @@ async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
     let n = s.count / s.fanout.max(1) * s.fanout.max(1);
     let subject = format!("flotilla.{job}.out");
     let started = Instant::now();
-    let mut acks = Vec::with_capacity(n as usize);
+    // At most `window` acks outstanding: await the oldest before queueing past it
+    // (async-nats frees a publish permit only once its ack future is polled).
+    let mut acks = std::collections::VecDeque::with_capacity(s.window);
     for i in 0..n {
+        if acks.len() >= s.window
+            && let Some(oldest) = acks.pop_front()
+        {
+            let oldest: jetstream::context::PublishAckFuture = oldest;
+            oldest.await?;
+        }
         let mut h = HeaderMap::new();
         h.insert("Nats-Msg-Id", format!("{job}-{i}").as_str());
         h.insert("Flotilla-Key", i.to_string().as_str());
-        acks.push(js.publish_with_headers(subject.clone(), h, body.clone()).await?);
+        acks.push_back(js.publish_with_headers(subject.clone(), h, body.clone()).await?);
     }
-    for a in futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await {
-        a?;
+    for a in acks {
+        a.await?;
     }
     let r = rate(n, started.elapsed());
     js.delete_stream(format!("FLOTILLA_{job}_out")).await?;

@@ -40,3 +40,35 @@ async fn claims_beyond_max_waiting_back_off_instead_of_spinning() {
     broker.publish(flotilla_transport::broker::OutboundMessage::new("w.a", Bytes::from("x"))).await.expect("publish");
     assert_eq!(broker.claim("W", "w", 1, Duration::from_secs(5)).await.expect("claim").len(), 1);
 }
+
+/// async-nats holds a publish-ack permit until the ack future is polled to completion,
+/// so queueing more than `max_ack_inflight` publishes before awaiting any (a task that
+/// sends more outputs for one message than the window, or a large `publish_batch`) used
+/// to wait forever for a permit. Acks are now driven as they arrive.
+#[tokio::test]
+async fn more_pipelined_publishes_than_the_ack_window_complete() {
+    let server = NatsServer::start();
+    let mut opts = JetStreamOptions::new(server.url());
+    opts.max_ack_inflight = 16;
+    let broker = JetStreamBroker::connect(opts).await.expect("connect").shared();
+    broker.ensure_stream(StreamSpec::new("P", vec!["p.>".into()], Retention::Limits)).await.expect("stream");
+    let msgs: Vec<_> = (0..200)
+        .map(|i| flotilla_transport::broker::OutboundMessage::new(format!("p.{i}"), Bytes::from("x")))
+        .collect();
+    let acks = tokio::time::timeout(Duration::from_secs(20), broker.publish_batch(msgs))
+        .await
+        .expect("200 publishes through a window of 16 complete");
+    assert!(acks.iter().all(Result::is_ok), "{acks:?}");
+    let mut pending = Vec::new();
+    for i in 0..200 {
+        let msg = flotilla_transport::broker::OutboundMessage::new(format!("p.q{i}"), Bytes::from("y"));
+        let queued = tokio::time::timeout(Duration::from_secs(10), broker.publish_pipelined(msg))
+            .await
+            .expect("queueing does not wait for acks nobody polls yet");
+        pending.push(queued.expect("queued"));
+    }
+    for p in pending {
+        p.await.expect("stored");
+    }
+    assert_eq!(broker.stream_state("P").await.expect("state").messages, 400);
+}

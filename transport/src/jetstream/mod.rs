@@ -83,6 +83,14 @@ impl JetStreamOptions {
     }
 }
 
+/// A publish ack on its way, driven by its own task.
+type AckWait = std::pin::Pin<
+    Box<
+        dyn Future<Output = Result<jetstream::publish::PublishAck, async_nats::jetstream::context::PublishError>>
+            + Send,
+    >,
+>;
+
 /// A broker on NATS JetStream. Cheap to clone.
 #[derive(Clone)]
 pub struct JetStreamBroker {
@@ -539,10 +547,7 @@ impl Inner {
         }
     }
 
-    async fn publish_enqueue(
-        &self,
-        msg: OutboundMessage,
-    ) -> BrokerResult<(String, Option<u64>, jetstream::context::PublishAckFuture)> {
+    async fn publish_enqueue(&self, msg: OutboundMessage) -> BrokerResult<(String, Option<u64>, AckWait)> {
         let OutboundMessage { subject, headers, payload, expected_last_subject_seq } = msg;
         if payload.len() > self.info.max_payload {
             return Err(BrokerError::PayloadTooLarge { size: payload.len(), limit: self.info.max_payload });
@@ -555,7 +560,21 @@ impl Inner {
             pm = pm.expected_last_subject_sequence(seq);
         }
         match self.js.send_publish(subject.clone(), pm).await {
-            Ok(fut) => Ok((subject, expected_last_subject_seq, fut)),
+            // async-nats keeps a publish-ack permit until the ack future is polled to
+            // completion: drive it from its own task at once, or a caller that queues
+            // more than `max_ack_inflight` publishes before awaiting any would wait
+            // forever for a permit.
+            Ok(fut) => {
+                let ack = tokio::spawn(fut.into_future());
+                let wait: AckWait = Box::pin(async move {
+                    ack.await.unwrap_or_else(|_| {
+                        Err(async_nats::jetstream::context::PublishError::new(
+                            async_nats::jetstream::context::PublishErrorKind::BrokenPipe,
+                        ))
+                    })
+                });
+                Ok((subject, expected_last_subject_seq, wait))
+            }
             Err(e) => Err(publish_error(&subject, e, expected_last_subject_seq, self.request_timeout)),
         }
     }
