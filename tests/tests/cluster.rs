@@ -617,6 +617,8 @@ async fn pause_step_and_resume_a_partition() {
     // its deadline, names what is stuck and exits 1.
     let paused = c.relay_cmd(&["pause", "--stream", "relay-in", "--partition", "3"]);
     assert!(paused.status.success(), "pause failed: {}", String::from_utf8_lossy(&paused.stderr));
+    // Pause stops intake; a claim already out when it lands may still deliver.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     let drain = c.relay_cmd(&["drain", "--deadline", "4s"]);
     let text = format!("{}{}", String::from_utf8_lossy(&drain.stdout), String::from_utf8_lossy(&drain.stderr));
     assert_eq!(drain.status.code(), Some(1), "a drain past its deadline exits 1: {text}");

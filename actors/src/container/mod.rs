@@ -282,37 +282,43 @@ impl Container {
 
     /// Starts claims for every slot with room.
     fn pump(&mut self, ctx: &mut Context<Self>) {
+        for i in 0..self.slots.len() {
+            self.pump_slot(i, ctx);
+        }
+    }
+
+    /// Starts a claim for slot `i` if it has room. Events of one slot pump only that
+    /// slot: a node holding thousands of partitions must not scan them all per message.
+    fn pump_slot(&mut self, i: usize, ctx: &mut Context<Self>) {
         if self.stopping {
             return;
         }
         let now = tokio::time::Instant::now();
-        for i in 0..self.slots.len() {
-            let slot = &mut self.slots[i];
-            if slot.claiming
-                || slot.finished
-                || slot.stopping
-                || slot.worker.is_none()
-                || slot.backoff_until.is_some_and(|t| t > now)
-                || slot.spec.fence.as_ref().is_some_and(|f| !f.valid())
-            {
-                continue;
-            }
-            let mut free = slot.spec.capacity.saturating_sub(slot.outstanding);
-            if slot.paused {
-                // Paused: claim only for steps.
-                free = free.min(slot.step_credits as usize);
-                slot.step_credits = 0;
-            }
-            if free == 0 {
-                continue;
-            }
-            slot.claiming = true;
-            let fut = self.broker.claim(&slot.spec.js_stream, &slot.spec.consumer, free, self.config.claim_wait);
-            ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-                act.claimed(i, result, ctx);
-                act.pump(ctx);
-            }));
+        let Some(slot) = self.slots.get_mut(i) else { return };
+        if slot.claiming
+            || slot.finished
+            || slot.stopping
+            || slot.worker.is_none()
+            || slot.backoff_until.is_some_and(|t| t > now)
+            || slot.spec.fence.as_ref().is_some_and(|f| !f.valid())
+        {
+            return;
         }
+        let mut free = slot.spec.capacity.saturating_sub(slot.outstanding);
+        if slot.paused {
+            // Paused: claim only for steps.
+            free = free.min(slot.step_credits as usize);
+            slot.step_credits = 0;
+        }
+        if free == 0 {
+            return;
+        }
+        slot.claiming = true;
+        let fut = self.broker.claim(&slot.spec.js_stream, &slot.spec.consumer, free, self.config.claim_wait);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            act.claimed(i, result, ctx);
+            act.pump_slot(i, ctx);
+        }));
     }
 
     fn claimed(
@@ -498,6 +504,11 @@ impl Handler<WorkerReport> for Container {
     type Result = ();
 
     fn handle(&mut self, report: WorkerReport, ctx: &mut Context<Self>) {
+        let slot = match &report {
+            WorkerReport::Completed { slot, .. }
+            | WorkerReport::ShutdownRequested { slot, .. }
+            | WorkerReport::Finished { slot, .. } => *slot,
+        };
         match report {
             WorkerReport::Completed { slot, count } => {
                 if let Some(s) = self.slots.get_mut(slot) {
@@ -566,7 +577,7 @@ impl Handler<WorkerReport> for Container {
                 }
             }
         }
-        self.pump(ctx);
+        self.pump_slot(slot, ctx);
     }
 }
 
@@ -586,7 +597,7 @@ impl Handler<AddSlot> for Container {
             return Some(i);
         }
         self.spawn_worker(i, ctx);
-        self.pump(ctx);
+        self.pump_slot(i, ctx);
         Some(i)
     }
 }
@@ -632,7 +643,7 @@ impl Handler<SetPaused> for Container {
                 w.control.do_send(if msg.paused { WorkerControl::Pause } else { WorkerControl::Resume });
             }
         }
-        self.pump(ctx);
+        self.pump_slot(msg.slot, ctx);
     }
 }
 
@@ -648,7 +659,7 @@ impl Handler<StepSlot> for Container {
                 w.control.do_send(WorkerControl::Step);
             }
         }
-        self.pump(ctx);
+        self.pump_slot(i, ctx);
     }
 }
 
