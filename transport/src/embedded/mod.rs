@@ -301,9 +301,11 @@ impl Broker for EmbeddedBroker {
     fn delete_consumer(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<bool>> {
         let mut st = self.inner.lock();
         ready(st.stream(stream).map(|s| {
-            let existed = s.consumers.remove(consumer).is_some();
-            s.notify.notify_waiters();
-            existed
+            let removed = s.consumers.remove(consumer);
+            if let Some(c) = &removed {
+                c.notify.notify_waiters();
+            }
+            removed.is_some()
         }))
     }
 
@@ -336,8 +338,9 @@ impl Broker for EmbeddedBroker {
                 return Ok(Vec::new());
             }
             let end = inner.clock.now() + max_wait;
-            let notify = inner.lock().stream(&stream)?.notify.clone();
             loop {
+                // Looked up each time: a reset replaces the consumer (and its waker).
+                let notify = inner.lock().stream(&stream)?.consumer_notify(&consumer).unwrap_or_default();
                 let notified = notify.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();

@@ -47,6 +47,9 @@ pub(crate) struct Consumer {
     /// Acked sequences above `ack_floor` (acked out of order).
     pub acked_above: BTreeSet<u64>,
     pub last_delivered: u64,
+    /// Wakes this consumer's waiting claims (one per consumer, so a publish wakes only
+    /// the claims it can feed, not every partition's).
+    pub notify: Arc<Notify>,
 }
 
 impl Consumer {
@@ -95,7 +98,6 @@ pub(crate) struct Stream {
     pub dedupe: HashMap<String, u64>,
     pub dedupe_order: VecDeque<(Instant, String)>,
     pub consumers: BTreeMap<String, Consumer>,
-    pub notify: Arc<Notify>,
     pub kv_watchers: Vec<KvWatcher>,
     /// For KV streams, the bucket name.
     pub kv_bucket: Option<String>,
@@ -119,10 +121,14 @@ impl Stream {
             dedupe: HashMap::new(),
             dedupe_order: VecDeque::new(),
             consumers: BTreeMap::new(),
-            notify: Arc::new(Notify::new()),
             kv_watchers: Vec::new(),
             kv_bucket,
         }
+    }
+
+    /// The waker of `consumer`'s claims, if it exists.
+    pub fn consumer_notify(&self, consumer: &str) -> Option<Arc<Notify>> {
+        self.consumers.get(consumer).map(|c| c.notify.clone())
     }
 
     pub fn state(&self) -> StreamState {
@@ -253,8 +259,10 @@ impl Stream {
                 }
             }
             self.notify_kv_watchers(seq);
+            for c in self.consumers.values().filter(|c| c.matches(&subject)) {
+                c.notify.notify_waiters();
+            }
         }
-        self.notify.notify_waiters();
         Ok(PublishAck { stream: self.spec.name.clone(), seq, duplicate: false })
     }
 
@@ -316,6 +324,7 @@ impl Stream {
             ack_floor: 0,
             acked_above: BTreeSet::new(),
             last_delivered: 0,
+            notify: Arc::new(Notify::new()),
         };
         c.num_pending = self.msgs.values().filter(|m| c.matches(&m.subject)).count() as u64;
         self.consumers.insert(c.spec.name.clone(), c);
@@ -324,7 +333,9 @@ impl Stream {
 
     /// Replaces a consumer with one that delivers from `start_seq` on.
     pub fn reset_consumer(&mut self, spec: ConsumerSpec, start_seq: u64) -> BrokerResult<()> {
-        self.consumers.remove(&spec.name);
+        if let Some(old) = self.consumers.remove(&spec.name) {
+            old.notify.notify_waiters();
+        }
         let name = spec.name.clone();
         self.add_consumer(spec)?;
         let Stream { msgs, consumers, .. } = self;
@@ -333,8 +344,8 @@ impl Stream {
             c.ack_floor = start_seq.saturating_sub(1);
             c.last_delivered = start_seq.saturating_sub(1);
             c.num_pending = msgs.range(c.next_seq..).filter(|(_, m)| c.matches(&m.subject)).count() as u64;
+            c.notify.notify_waiters();
         }
-        self.notify.notify_waiters();
         Ok(())
     }
 
@@ -524,7 +535,10 @@ impl Stream {
                 }
             }
         }
-        self.notify.notify_waiters();
+        // An ack (or nak) can make room or a redelivery for this consumer only.
+        if let Some(c) = self.consumers.get(consumer) {
+            c.notify.notify_waiters();
+        }
         Ok(())
     }
 
