@@ -288,6 +288,50 @@ async fn missing(js: &async_nats::jetstream::Context, job: &str, published: u64,
     }
 }
 
+/// What every scenario shares: the server, this binary, the clients.
+struct Env {
+    exe: PathBuf,
+    url: String,
+    dir: PathBuf,
+    ttl: Duration,
+    rate: u64,
+    broker: SharedBroker,
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+}
+
+/// A running scenario: nodes a, b and c of `job` under load, outputs watched.
+struct Scenario {
+    c: Cluster,
+    kv: async_nats::jetstream::kv::Store,
+    seen: Seen,
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    publisher: std::thread::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Env {
+    async fn start(&self, job: &str) -> anyhow::Result<Scenario> {
+        relay_job(job, Rc::default()).provision(self.broker.clone()).await?;
+        let seen = watch_outputs(&self.client, job).await?;
+        let mut c = Cluster {
+            exe: self.exe.clone(),
+            url: self.url.clone(),
+            job: job.to_owned(),
+            dir: self.dir.clone(),
+            ttl: self.ttl,
+            nodes: BTreeMap::new(),
+        };
+        for id in ["a", "b", "c"] {
+            c.add(id)?;
+        }
+        let kv = leases(&self.js, job).await?;
+        let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let publisher = load(self.url.clone(), job.to_owned(), self.rate, stop.clone(), sent.clone());
+        Ok(Scenario { c, kv, seen, stop, sent, publisher })
+    }
+}
+
 pub async fn run(ttl: Duration, rate: u64) -> anyhow::Result<Failover> {
     let server = NatsServer::start();
     let url = server.url();
@@ -298,26 +342,12 @@ pub async fn run(ttl: Duration, rate: u64) -> anyhow::Result<Failover> {
     let (client, js) = crate::workload::raw_context(&url, 4096).await?;
     let mut result = Failover { lease_ttl_ms: ttl.as_millis() as u64, ..Failover::default() };
     let settle = ttl * 4 + Duration::from_secs(20);
+    let env = Env { exe, url, dir: dir.clone(), ttl, rate, broker, client, js };
 
     // 1. Crash.
     {
-        let job = "fx".to_owned();
-        relay_job(&job, Rc::default()).provision(broker.clone()).await?;
-        let seen = watch_outputs(&client, &job).await?;
-        let mut c = Cluster {
-            exe: exe.clone(),
-            url: url.clone(),
-            job: job.clone(),
-            dir: dir.clone(),
-            ttl,
-            nodes: BTreeMap::new(),
-        };
-        for id in ["a", "b", "c"] {
-            c.add(id)?;
-        }
-        let kv = leases(&js, &job).await?;
-        let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let publisher = load(url.clone(), job.clone(), rate, stop.clone(), sent.clone());
+        let job = "fx";
+        let Scenario { mut c, kv, seen, stop, sent, publisher } = env.start(job).await?;
         let before = balanced(&kv, &["a", "b", "c"], settle).await?;
         let moved: BTreeMap<u32, u64> =
             before.iter().filter(|(_, (n, _))| n == "a").map(|(p, (_, e))| (*p, *e)).collect();
@@ -327,29 +357,14 @@ pub async fn run(ttl: Duration, rate: u64) -> anyhow::Result<Failover> {
         stop.store(true, Ordering::Relaxed);
         publisher.join().map_err(|_| anyhow::anyhow!("publisher panicked"))??;
         let published = sent.load(Ordering::Relaxed);
-        result.crash_lost = missing(&js, &job, published, Duration::from_secs(60)).await;
+        result.crash_lost = missing(&env.js, job, published, Duration::from_secs(60)).await;
         result.published += published;
     }
 
     // 2. Join, then a graceful stop.
     {
-        let job = "fg".to_owned();
-        relay_job(&job, Rc::default()).provision(broker.clone()).await?;
-        let seen = watch_outputs(&client, &job).await?;
-        let mut c = Cluster {
-            exe: exe.clone(),
-            url: url.clone(),
-            job: job.clone(),
-            dir: dir.clone(),
-            ttl,
-            nodes: BTreeMap::new(),
-        };
-        for id in ["a", "b", "c"] {
-            c.add(id)?;
-        }
-        let kv = leases(&js, &job).await?;
-        let (stop, sent) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
-        let publisher = load(url.clone(), job.clone(), rate, stop.clone(), sent.clone());
+        let job = "fg";
+        let Scenario { mut c, kv, seen, stop, sent, publisher } = env.start(job).await?;
         let three = balanced(&kv, &["a", "b", "c"], settle).await?;
         c.add("d")?;
         let four = balanced(&kv, &["a", "b", "c", "d"], settle).await?;
@@ -364,7 +379,7 @@ pub async fn run(ttl: Duration, rate: u64) -> anyhow::Result<Failover> {
         stop.store(true, Ordering::Relaxed);
         publisher.join().map_err(|_| anyhow::anyhow!("publisher panicked"))??;
         let published = sent.load(Ordering::Relaxed);
-        result.stop_lost = missing(&js, &job, published, Duration::from_secs(60)).await;
+        result.stop_lost = missing(&env.js, job, published, Duration::from_secs(60)).await;
         result.published += published;
         for id in ["a", "c", "d"] {
             c.nodes.get(id).context("node")?.signal("TERM");
