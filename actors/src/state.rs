@@ -17,7 +17,8 @@
 //!   of the task has seen a current marker and everything before has been processed,
 //!   the task drains, commits and completes; end-of-stream likewise.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use rustc_hash::FxHashMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -94,8 +95,9 @@ pub struct TaskState<M> {
     /// order → done.
     outstanding: BTreeMap<InputId, BTreeMap<u64, bool>>,
     /// Input of each started envelope.
-    input_of: HashMap<u64, InputId>,
-    started_at: HashMap<u64, Instant>,
+    // Keyed by order (a counter): Fx hashing, not SipHash, on the per-message path.
+    input_of: FxHashMap<u64, InputId>,
+    started_at: FxHashMap<u64, Instant>,
     in_flight: usize,
     need_window: bool,
     need_commit: bool,
@@ -133,8 +135,8 @@ impl<M> TaskState<M> {
             held: Vec::new(),
             next_order: 0,
             outstanding: BTreeMap::new(),
-            input_of: HashMap::new(),
-            started_at: HashMap::new(),
+            input_of: FxHashMap::default(),
+            started_at: FxHashMap::default(),
             in_flight: 0,
             need_window: false,
             need_commit: false,

@@ -7,6 +7,7 @@
 //! policy, ack-wait, max deliveries, max ack-pending, max waiting, batch size and
 //! publish window.
 
+use crate::cpu::{Cpu, Measured};
 use crate::report::{Pair, median, percentile, rate};
 use crate::workload::{Blob, SENT_US, payload, prefill, raw_context, unix_us, wait_acked, wait_stored};
 use anyhow::{Context as _, bail};
@@ -38,6 +39,8 @@ pub struct Settings {
     pub fanout: u64,
     pub latency_rate: u64,
     pub latency_secs: u64,
+    /// The nats-server's pid, to read its CPU time.
+    pub server_pid: Option<u32>,
 }
 
 // Flotilla's defaults that the raw side copies (see `flotilla_actors::TaskConfig` and
@@ -123,11 +126,12 @@ async fn raw_ordered_stream(
 }
 
 /// The raw queue loop: fetch a batch, ack every message, repeat.
-async fn raw_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn raw_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let (client, js) = raw_context(&s.url, s.window).await?;
     let consumer = raw_queue_stream(&js, job, "in").await?;
     prefill(&js, job, "in", None, s.count, body).await?;
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     let mut got = 0;
     while got < s.count {
         let mut batch = consumer.fetch().max_messages(s.batch).expires(CLAIM_WAIT).messages().await?;
@@ -139,18 +143,19 @@ async fn raw_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Resul
     }
     client.flush().await?;
     wait_acked(&js, &format!("FLOTILLA_{job}_in"), &["in-workers".into()], DONE_WITHIN).await?;
-    let r = rate(s.count, started.elapsed());
+    let r = Measured::new(s.count, started.elapsed(), &cpu);
     js.delete_stream(format!("FLOTILLA_{job}_in")).await?;
     Ok(r)
 }
 
 /// The raw ordered loop: per partition, fetch up to the window, then ack the last
 /// message (ack-all); all partitions concurrently on this one thread.
-async fn raw_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn raw_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let (client, js) = raw_context(&s.url, s.window).await?;
     let consumers = raw_ordered_stream(&js, job, "in", s.partitions).await?;
     let per_partition = prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     let loops = consumers.iter().zip(per_partition).map(|(c, n)| async move {
         let mut got = 0;
         while got < n {
@@ -172,13 +177,13 @@ async fn raw_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
     client.flush().await?;
     let names: Vec<String> = (0..s.partitions).map(|p| format!("in-p{p}")).collect();
     wait_acked(&js, &format!("FLOTILLA_{job}_in"), &names, DONE_WITHIN).await?;
-    let r = rate(s.count, started.elapsed());
+    let r = Measured::new(s.count, started.elapsed(), &cpu);
     js.delete_stream(format!("FLOTILLA_{job}_in")).await?;
     Ok(r)
 }
 
 /// Raw pipelined publish: `count` messages, `window` acks outstanding at most.
-async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let (_client, js) = raw_context(&s.url, s.window).await?;
     js.create_stream(stream_config(
         format!("FLOTILLA_{job}_out"),
@@ -189,6 +194,7 @@ async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
     let n = s.count / s.fanout.max(1) * s.fanout.max(1);
     let subject = format!("flotilla.{job}.out");
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     // At most `window` acks outstanding: await the oldest before queueing past it
     // (async-nats frees a publish permit only once its ack future is polled).
     let mut acks = std::collections::VecDeque::with_capacity(s.window);
@@ -207,7 +213,7 @@ async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
     for a in acks {
         a.await?;
     }
-    let r = rate(n, started.elapsed());
+    let r = Measured::new(n, started.elapsed(), &cpu);
     js.delete_stream(format!("FLOTILLA_{job}_out")).await?;
     Ok(r)
 }
@@ -291,7 +297,7 @@ async fn finish(running: flotilla::actors::RunningJob) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn flotilla_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn flotilla_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let broker = flotilla_broker(&s.url).await?;
     let (_client, js) = raw_context(&s.url, s.window).await?;
     let (progress, done) = Progress::new(s.count, false);
@@ -301,15 +307,16 @@ async fn flotilla_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::
     prefill(&js, job, "in", None, s.count, body).await?;
     let running = job_def.start(broker).await?;
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     tokio::time::timeout(DONE_WITHIN, done).await.context("flotilla queue round did not finish")??;
     wait_acked(&js, &format!("FLOTILLA_{job}_in"), &["in-workers".into()], DONE_WITHIN).await?;
-    let r = rate(s.count, started.elapsed());
+    let r = Measured::new(s.count, started.elapsed(), &cpu);
     finish(running).await?;
     delete_job_streams(&js, job).await;
     Ok(r)
 }
 
-async fn flotilla_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn flotilla_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let broker = flotilla_broker(&s.url).await?;
     let (_client, js) = raw_context(&s.url, s.window).await?;
     let (progress, done) = Progress::new(s.count, false);
@@ -320,16 +327,17 @@ async fn flotilla_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow
     prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
     let running = job_def.start(broker).await?;
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     tokio::time::timeout(DONE_WITHIN, done).await.context("flotilla ordered round did not finish")??;
     let names: Vec<String> = (0..s.partitions).map(|p| format!("in-p{p}")).collect();
     wait_acked(&js, &format!("FLOTILLA_{job}_in"), &names, DONE_WITHIN).await?;
-    let r = rate(s.count, started.elapsed());
+    let r = Measured::new(s.count, started.elapsed(), &cpu);
     finish(running).await?;
     delete_job_streams(&js, job).await;
     Ok(r)
 }
 
-async fn flotilla_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<f64> {
+async fn flotilla_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let broker = flotilla_broker(&s.url).await?;
     let (_client, js) = raw_context(&s.url, s.window).await?;
     let fanout = s.fanout.max(1);
@@ -348,8 +356,9 @@ async fn flotilla_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow
     }
     let running = job_def.start(broker).await?;
     let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
     wait_stored(&js, &format!("FLOTILLA_{job}_out"), triggers * fanout, DONE_WITHIN).await?;
-    let r = rate(triggers * fanout, started.elapsed());
+    let r = Measured::new(triggers * fanout, started.elapsed(), &cpu);
     finish(running).await?;
     delete_job_streams(&js, job).await;
     Ok(r)
@@ -470,8 +479,9 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
             ">= 0.8x",
         );
         for round in 0..s.rounds {
-            p.raw.push(raw_queue_round(s, &format!("rq{round}"), &body).await?);
-            p.flotilla.push(flotilla_queue_round(s, &format!("fq{round}"), &body).await?);
+            let raw = raw_queue_round(s, &format!("rq{round}"), &body).await?;
+            let flotilla = flotilla_queue_round(s, &format!("fq{round}"), &body).await?;
+            p.push(raw, flotilla);
             progress_line(&p, round);
         }
         pairs.push(p);
@@ -483,8 +493,9 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
             ">= 0.8x",
         );
         for round in 0..s.rounds {
-            p.raw.push(raw_ordered_round(s, &format!("ro{round}"), &body).await?);
-            p.flotilla.push(flotilla_ordered_round(s, &format!("fo{round}"), &body).await?);
+            let raw = raw_ordered_round(s, &format!("ro{round}"), &body).await?;
+            let flotilla = flotilla_ordered_round(s, &format!("fo{round}"), &body).await?;
+            p.push(raw, flotilla);
             progress_line(&p, round);
         }
         pairs.push(p);
@@ -496,8 +507,9 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
             ">= 0.8x",
         );
         for round in 0..s.rounds {
-            p.raw.push(raw_publish_round(s, &format!("rp{round}"), &body).await?);
-            p.flotilla.push(flotilla_publish_round(s, &format!("fp{round}"), &body).await?);
+            let raw = raw_publish_round(s, &format!("rp{round}"), &body).await?;
+            let flotilla = flotilla_publish_round(s, &format!("fp{round}"), &body).await?;
+            p.push(raw, flotilla);
             progress_line(&p, round);
         }
         pairs.push(p);

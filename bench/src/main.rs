@@ -14,6 +14,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod cpu;
 mod embedded;
 mod failover;
 mod jetstream;
@@ -147,6 +148,7 @@ fn main() -> anyhow::Result<()> {
         fanout: args.fanout.min(count),
         latency_rate: args.latency_rate,
         latency_secs: args.latency_time.map_or(if quick { 1 } else { 5 }, |d| d.as_secs().max(1)),
+        server_pid: None,
     };
     let started = Instant::now();
     println!(
@@ -162,7 +164,7 @@ fn main() -> anyhow::Result<()> {
         let mut pairs = Vec::new();
         if ["queue", "ordered", "publish", "latency"].iter().any(|p| only(p)) {
             let server = flotilla_tests::NatsServer::start();
-            let s = jetstream::Settings { url: server.url(), ..settings.clone() };
+            let s = jetstream::Settings { url: server.url(), server_pid: server.pid(), ..settings.clone() };
             pairs.extend(jetstream::run(&s, &only).await?);
             drop(server);
         }

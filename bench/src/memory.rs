@@ -37,17 +37,9 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU time of this process (user + system), from /proc (clock ticks of 10 ms).
+/// CPU time of this process (user + system).
 fn cpu_time() -> Duration {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit_once(')')?.1.to_owned();
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-        })
-        .unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+    Duration::from_secs_f64(crate::cpu::cpu_seconds("self").unwrap_or(0.0))
 }
 
 struct Idle {

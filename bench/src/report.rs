@@ -1,5 +1,6 @@
 //! Medians, percentiles and the printed table.
 
+use crate::cpu::Measured;
 use std::time::Duration;
 
 /// One measured pair: the raw baseline and Flotilla, round by round.
@@ -21,6 +22,9 @@ pub struct Pair {
     /// Latency samples (µs) of Flotilla, all rounds.
     #[serde(skip)]
     pub flotilla_latency_us: Vec<u64>,
+    /// CPU per message of each side's rounds (throughput pairs).
+    pub raw_cpu: Vec<Measured>,
+    pub flotilla_cpu: Vec<Measured>,
     /// Per-round p99 latency (µs), raw.
     pub raw_p99_us: Vec<u64>,
     /// Per-round p99 latency (µs), Flotilla.
@@ -30,6 +34,14 @@ pub struct Pair {
 impl Pair {
     pub fn new(name: &str, baseline: &str, target: &str) -> Self {
         Self { name: name.into(), baseline: baseline.into(), target: target.into(), ..Self::default() }
+    }
+
+    /// Records one round of each side.
+    pub fn push(&mut self, raw: Measured, flotilla: Measured) {
+        self.raw.push(raw.rate);
+        self.flotilla.push(flotilla.rate);
+        self.raw_cpu.push(raw);
+        self.flotilla_cpu.push(flotilla);
     }
 
     /// Median of the per-round ratios (Flotilla / raw): each round's two runs are
@@ -90,6 +102,17 @@ pub fn print_pair(p: &Pair) {
         p.target
     );
     println!("{:<34}   baseline: {}; rounds raw/flotilla: {}", "", p.baseline, rounds.join(" "));
+    if !p.raw_cpu.is_empty() {
+        let med = |v: &[Measured], f: fn(&Measured) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
+        println!(
+            "{:<34}   CPU per message (median µs): raw client {:.1} server {:.1} | flotilla client {:.1} server {:.1}",
+            "",
+            med(&p.raw_cpu, |m| m.client_us),
+            med(&p.raw_cpu, |m| m.server_us),
+            med(&p.flotilla_cpu, |m| m.client_us),
+            med(&p.flotilla_cpu, |m| m.server_us),
+        );
+    }
     if !p.raw_latency_us.is_empty() {
         let (mut r, mut f) = (p.raw_latency_us.clone(), p.flotilla_latency_us.clone());
         println!(

@@ -8,9 +8,12 @@ use flotilla::prelude::*;
 use flotilla::transport::wire::{headers, partition_for};
 use std::time::{Duration, Instant};
 
-/// The message both sides consume: its encoding is `--size` bytes.
+/// The message both sides consume: its encoding is `--size` bytes. The body is
+/// `serde_bytes`, as a user would declare a blob: without it serde decodes a `Vec<u8>`
+/// byte by byte, which measured 12.7 % of the embedded pair's instructions.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Blob {
+    #[serde(with = "serde_bytes")]
     pub body: Vec<u8>,
 }
 

@@ -39,9 +39,11 @@ use flotilla_transport::broker::{AckKind, AckToken, Delivery};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
+use std::task::{Poll, Waker};
 use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -143,6 +145,10 @@ struct Claimed {
     at: Instant,
 }
 
+/// What a `process` call hands back: the task, its context and the handler's result
+/// (`Err` when it panicked).
+type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Box<dyn std::any::Any + Send>>);
+
 /// Which hook a non-process operation runs.
 enum Hook {
     Init,
@@ -166,11 +172,11 @@ pub struct TaskWorker<T: Task> {
     timers: Addr<TimerService>,
     reaper: Addr<Reaper>,
     /// Started messages until acknowledged (queue) or effects stored (ordered).
-    inflight: HashMap<u64, Envelope>,
+    inflight: FxHashMap<u64, Envelope>,
     /// Claimed messages by order, until committed (ordered) or acked (queue markers).
     claimed: BTreeMap<u64, Claimed>,
     /// Stream sequences held (ordered): redeliveries of these are dropped.
-    known: HashSet<u64>,
+    known: FxHashSet<u64>,
     committed_seq: u64,
     /// Ordered inputs: the delivery whose ack-all made the last commit.
     last_commit: Option<AckToken>,
@@ -181,6 +187,10 @@ pub struct TaskWorker<T: Task> {
     self_recipient: Option<Recipient<Tick>>,
     publish_queue: VecDeque<Flush>,
     publishing: bool,
+    /// Acknowledgements queued during this turn.
+    acks: Vec<(AckToken, AckKind)>,
+    /// Messages finished during this turn, not yet reported to the container.
+    completed: usize,
 }
 
 impl<T: Task> std::fmt::Debug for TaskWorker<T> {
@@ -210,9 +220,9 @@ impl<T: Task> TaskWorker<T> {
             container,
             timers,
             reaper,
-            inflight: HashMap::new(),
+            inflight: FxHashMap::default(),
             claimed: BTreeMap::new(),
-            known: HashSet::new(),
+            known: FxHashSet::default(),
             committed_seq: 0,
             last_commit: None,
             retries: VecDeque::new(),
@@ -222,6 +232,8 @@ impl<T: Task> TaskWorker<T> {
             self_recipient: None,
             publish_queue: VecDeque::new(),
             publishing: false,
+            acks: Vec::new(),
+            completed: 0,
         }
     }
 
@@ -229,22 +241,47 @@ impl<T: Task> TaskWorker<T> {
         self.container.do_send(report);
     }
 
-    fn ack(&self, token: &AckToken, kind: AckKind) {
-        let fut = self.env.broker.ack(token, kind);
-        let stream = self.binding.stream;
-        actix::spawn(async move {
-            if let Err(e) = fut.await {
-                warn!(error = %e, stream, ?kind, "acknowledgement not sent; the broker redelivers after ack-wait");
-            }
-        });
+    /// Queues an acknowledgement; what one turn of the worker queues is sent together
+    /// when the turn ends ([`send_batched`](Self::send_batched)).
+    fn ack(&mut self, token: &AckToken, kind: AckKind) {
+        self.acks.push((token.clone(), kind));
+    }
+
+    /// Counts messages this worker is done with, for the container's claim credit.
+    fn completed(&mut self, count: usize) {
+        self.completed += count;
+    }
+
+    /// Sends the acknowledgements and the completion count queued during this turn:
+    /// one broker operation and one container message, however many messages finished.
+    fn send_batched(&mut self) {
+        if !self.acks.is_empty() {
+            let fut = self.env.broker.ack_many(std::mem::take(&mut self.acks));
+            let stream = self.binding.stream;
+            actix::spawn(async move {
+                if let Err(e) = fut.await {
+                    warn!(error = %e, stream, "acknowledgement not sent; the broker redelivers after ack-wait");
+                }
+            });
+        }
+        if self.completed > 0 {
+            let count = std::mem::take(&mut self.completed);
+            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
+        }
     }
 
     fn context(&self, meta: Option<MessageMeta>) -> TaskContext {
         TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta)
     }
 
-    /// Runs the next operations the state machine allows while the task is home.
+    /// Runs the next operations the state machine allows while the task is home, then
+    /// sends what the turn queued.
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        self.drive_ops(ctx);
+        self.send_batched();
+    }
+
+    fn drive_ops(&mut self, ctx: &mut Context<Self>) {
         if self.binding.fenced() {
             self.abort_fenced(ctx);
             return;
@@ -334,26 +371,40 @@ impl<T: Task> TaskWorker<T> {
         };
         let Some(mut task) = self.task.take() else { return };
         let mut tctx = self.context(Some(meta));
-        let fut = async move {
+        let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
             let result = AssertUnwindSafe(task.process(input, &mut tctx)).catch_unwind().await;
             (task, tctx, result)
-        };
-        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
-            act.task = Some(task);
-            act.apply_requests(&mut tctx);
-            match result {
-                Ok(Ok(())) => {
-                    let deferred = tctx.deferred.take();
-                    let outputs = tctx.outputs_handle().clone();
-                    act.after_process(order, deferred, outputs, ctx);
-                }
-                Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
-                Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
-                Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
-                Err(panic) => act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
-            }
+        });
+        // Most handlers finish without waiting on anything: run them here, in this turn,
+        // instead of paying a spawn and a later poll per message. A handler that does
+        // wait is spawned and polled again with the actor's waker (a future re-registers
+        // its waker on every poll, so the first, no-op waker is never relied on).
+        if let Poll::Ready(processed) = fut.as_mut().poll(&mut std::task::Context::from_waker(Waker::noop())) {
+            // The caller's loop goes on with the next operation.
+            self.processed(order, processed, ctx);
+            return;
+        }
+        ctx.spawn(fut.into_actor(self).map(move |processed, act, ctx| {
+            act.processed(order, processed, ctx);
             act.drive(ctx);
         }));
+    }
+
+    /// The handler of the message at `order` returned.
+    fn processed(&mut self, order: u64, (task, mut tctx, result): Processed<T>, ctx: &mut Context<Self>) {
+        self.task = Some(task);
+        self.apply_requests(&mut tctx);
+        match result {
+            Ok(Ok(())) => {
+                let deferred = tctx.deferred.take();
+                let outputs = tctx.outputs_handle().clone();
+                self.after_process(order, deferred, outputs, ctx);
+            }
+            Ok(Err(TaskError::Failed(reason))) => self.failed_attempt(order, reason, ctx),
+            Ok(Err(TaskError::Fatal(reason))) => self.fail(format!("process: {reason}"), ctx),
+            Ok(Err(TaskError::Unavailable(reason))) => self.retry_unavailable(order, reason, ctx),
+            Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
+        }
     }
 
     /// Something was unreachable: try the message again after a back-off, in place,
@@ -513,7 +564,7 @@ impl<T: Task> TaskWorker<T> {
             self.claimed.remove(&order);
             self.ack(&envelope.delivery.token, AckKind::Ack);
             self.state.effects_done(order);
-            self.report(WorkerReport::Completed { slot: self.binding.slot, count: 1 });
+            self.completed(1);
         }
     }
 
@@ -561,7 +612,7 @@ impl<T: Task> TaskWorker<T> {
         }
         self.claimed.remove(&order);
         self.state.effects_done(order);
-        self.report(WorkerReport::Completed { slot: self.binding.slot, count: 1 });
+        self.completed(1);
     }
 
     /// Moves the message to the dead-letter stream, then skips (ordered) or terminates (queue) it.
@@ -721,9 +772,7 @@ impl<T: Task> TaskWorker<T> {
             count = done.len();
         }
         self.state.commit_done(positions);
-        if count > 0 {
-            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
-        }
+        self.completed(count);
     }
 
     /// The task failed: hand everything back and report.
@@ -760,9 +809,7 @@ impl<T: Task> TaskWorker<T> {
             self.known.remove(&p.msg.info.stream_seq);
             self.hand_back(&p.msg.token);
         }
-        if count > 0 {
-            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
-        }
+        self.completed(count);
     }
 
     /// Gives a claimed, unfinished message back. Queue inputs nak it (no delay) so any
@@ -770,7 +817,7 @@ impl<T: Task> TaskWorker<T> {
     /// recreates its consumer at the committed position, so it is delivered again as a
     /// first delivery (a nak would count a delivery, and a stale nak could reach the
     /// recreated consumer).
-    fn hand_back(&self, token: &AckToken) {
+    fn hand_back(&mut self, token: &AckToken) {
         if !self.binding.ordered() {
             self.ack(token, AckKind::Nak(None));
         }
@@ -810,6 +857,8 @@ impl<T: Task> TaskWorker<T> {
         }
         self.finished = true;
         self.state.mark_complete();
+        // What this turn acked and completed goes out before the worker reports its end.
+        self.send_batched();
         // Handing an ordered partition over: the next owner resets its consumer at the
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
@@ -860,16 +909,13 @@ impl<T: Task> TaskWorker<T> {
             for c in self.claimed.values_mut() {
                 if now.saturating_duration_since(c.at) >= third {
                     c.at = now;
-                    let fut = self.env.broker.ack(&c.token, AckKind::InProgress);
-                    actix::spawn(async move {
-                        let _ = fut.await;
-                    });
+                    self.acks.push((c.token.clone(), AckKind::InProgress));
                 }
             }
         } else {
             for e in self.inflight.values() {
                 if e.started.is_some_and(|s| now.saturating_duration_since(s) >= third) {
-                    self.ack(&e.delivery.token, AckKind::InProgress);
+                    self.acks.push((e.delivery.token.clone(), AckKind::InProgress));
                 }
             }
         }
@@ -934,9 +980,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
             let order = self.state.insert(0, kind, d);
             self.claimed.insert(order, claimed);
         }
-        if dropped > 0 {
-            self.report(WorkerReport::Completed { slot: self.binding.slot, count: dropped });
-        }
+        self.completed(dropped);
         self.drive(ctx);
     }
 }

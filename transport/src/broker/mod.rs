@@ -152,6 +152,24 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// delivery of that consumer too.
     fn ack(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>>;
 
+    /// Acknowledges several deliveries in order, as one operation (the hot path acks
+    /// what one turn of a worker finished together). Resolves once all are sent; the
+    /// first error is returned and the acks after it are still attempted.
+    fn ack_many(&self, acks: Vec<(AckToken, AckKind)>) -> BoxFuture<BrokerResult<()>> {
+        let futs: Vec<_> = acks.iter().map(|(token, kind)| self.ack(token, *kind)).collect();
+        Box::pin(async move {
+            let mut first = Ok(());
+            for fut in futs {
+                if let Err(e) = fut.await
+                    && first.is_ok()
+                {
+                    first = Err(e);
+                }
+            }
+            first
+        })
+    }
+
     /// Like [`ack`](Self::ack), but resolves only once the broker confirmed it.
     /// Note that acks are not fenced: a stale holder's ack is accepted too.
     fn ack_confirmed(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>>;

@@ -400,8 +400,8 @@ impl AckToken {
 pub(crate) enum AckTokenInner {
     /// Not a delivery: acking it is an error.
     Detached,
-    /// JetStream: the reply subject of the delivery.
-    Reply(String),
+    /// JetStream: the reply subject of the delivery (shared bytes: cloning is cheap).
+    Reply(async_nats::Subject),
     /// Embedded: stream, consumer, stream sequence.
     Embedded { stream: Arc<str>, consumer: Arc<str>, seq: u64 },
 }

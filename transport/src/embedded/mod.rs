@@ -373,6 +373,26 @@ impl Broker for EmbeddedBroker {
         ready(st.stream(stream).and_then(|s| s.ack(consumer, *seq, kind, now)))
     }
 
+    fn ack_many(&self, acks: Vec<(AckToken, AckKind)>) -> BoxFuture<BrokerResult<()>> {
+        let now = self.inner.clock.now();
+        let mut st = self.inner.lock();
+        let mut first = Ok(());
+        for (token, kind) in &acks {
+            let done = match &token.0 {
+                AckTokenInner::Embedded { stream, consumer, seq } => {
+                    st.stream(stream).and_then(|s| s.ack(consumer, *seq, *kind, now))
+                }
+                _ => Err(BrokerError::other("ack", "a JetStream delivery cannot be acked on the embedded broker")),
+            };
+            if let Err(e) = done
+                && first.is_ok()
+            {
+                first = Err(e);
+            }
+        }
+        ready(first)
+    }
+
     fn ack_confirmed(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>> {
         self.ack(token, kind)
     }

@@ -371,15 +371,12 @@ fn to_header_map(headers: &Headers) -> async_nats::HeaderMap {
 }
 
 fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
-    let mut out = Headers::new();
-    if let Some(map) = map {
-        for (name, values) in map.iter() {
-            for v in values {
-                out.append(name.to_string(), v.as_str());
-            }
-        }
-    }
-    out
+    map.map(|map| {
+        map.iter()
+            .flat_map(|(name, values)| values.iter().map(move |v| (AsRef::<str>::as_ref(name), v.as_str())))
+            .collect()
+    })
+    .unwrap_or_default()
 }
 
 fn js_code<E: std::fmt::Display>(err: &E) -> Option<u64> {
@@ -579,24 +576,29 @@ impl Inner {
         }
     }
 
-    fn delivery(msg: jetstream::Message) -> Option<Delivery> {
+    /// A pulled message as a delivery. `names` keeps the last stream and consumer name,
+    /// so the messages of one claim share them instead of allocating their own.
+    fn delivery(msg: jetstream::Message, names: &mut Option<(Arc<str>, Arc<str>)>) -> Option<Delivery> {
         let info = match msg.info() {
-            Ok(info) => DeliveryInfo {
-                stream: Arc::from(info.stream),
-                consumer: Arc::from(info.consumer),
-                stream_seq: info.stream_sequence,
-                consumer_seq: info.consumer_sequence,
-                delivered: info.delivered.max(0) as u64,
-                pending: info.pending,
-                published: SystemTime::from(info.published),
-            },
+            Ok(info) => {
+                let (stream, consumer) = shared_name(names, info.stream, info.consumer);
+                DeliveryInfo {
+                    stream,
+                    consumer,
+                    stream_seq: info.stream_sequence,
+                    consumer_seq: info.consumer_sequence,
+                    delivered: info.delivered.max(0) as u64,
+                    pending: info.pending,
+                    published: SystemTime::from(info.published),
+                }
+            }
             Err(e) => {
                 warn!(error = %e, subject = %msg.subject, "pulled message without JetStream metadata; skipped");
                 return None;
             }
         };
-        let reply = msg.reply.as_ref()?.to_string();
         let message = msg.message;
+        let reply = message.reply.clone()?;
         Some(Delivery {
             subject: message.subject.to_string(),
             headers: from_header_map(message.headers.as_ref()),
@@ -604,6 +606,18 @@ impl Inner {
             info,
             token: AckToken(AckTokenInner::Reply(reply)),
         })
+    }
+}
+
+/// The shared (stream, consumer) names, replaced when a message names others.
+fn shared_name(names: &mut Option<(Arc<str>, Arc<str>)>, stream: &str, consumer: &str) -> (Arc<str>, Arc<str>) {
+    match names {
+        Some((s, c)) if &**s == stream && &**c == consumer => (s.clone(), c.clone()),
+        _ => {
+            let fresh = (Arc::<str>::from(stream), Arc::<str>::from(consumer));
+            *names = Some(fresh.clone());
+            fresh
+        }
     }
 }
 
@@ -617,7 +631,7 @@ fn ack_body(kind: AckKind) -> Bytes {
     }
 }
 
-fn reply_of(token: &AckToken) -> BrokerResult<String> {
+fn reply_of(token: &AckToken) -> BrokerResult<async_nats::Subject> {
     match &token.0 {
         AckTokenInner::Reply(r) => Ok(r.clone()),
         AckTokenInner::Embedded { .. } | AckTokenInner::Detached => {
@@ -792,10 +806,11 @@ impl Broker for JetStreamBroker {
                     return Err(BrokerError::Disconnected { operation: op(), reason: e.to_string() });
                 }
             };
-            let mut out = Vec::new();
+            let mut out = Vec::with_capacity(max.min(1024));
+            let mut names = None;
             while let Some(next) = batch.next().await {
                 match next {
-                    Ok(msg) => out.extend(Inner::delivery(msg)),
+                    Ok(msg) => out.extend(Inner::delivery(msg, &mut names)),
                     Err(e) => {
                         let text = e.to_string();
                         if text.contains("409") {
@@ -835,6 +850,29 @@ impl Broker for JetStreamBroker {
                 .publish(reply, ack_body(kind))
                 .await
                 .map_err(|e| BrokerError::Disconnected { operation: "ack".into(), reason: e.to_string() })
+        })
+    }
+
+    fn ack_many(&self, acks: Vec<(AckToken, AckKind)>) -> BoxFuture<BrokerResult<()>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let mut first = Ok(());
+            for (token, kind) in acks {
+                let sent = match reply_of(&token) {
+                    Ok(reply) => inner
+                        .client
+                        .publish(reply, ack_body(kind))
+                        .await
+                        .map_err(|e| BrokerError::Disconnected { operation: "ack".into(), reason: e.to_string() }),
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = sent
+                    && first.is_ok()
+                {
+                    first = Err(e);
+                }
+            }
+            first
         })
     }
 

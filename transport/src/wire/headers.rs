@@ -1,5 +1,7 @@
 //! Header names and the small header map carried by every message.
 
+use std::sync::Arc;
+
 /// JetStream's deduplication id. Required of every producer.
 pub const MSG_ID: &str = "Nats-Msg-Id";
 /// The message's key (the partitioning input), UTF-8.
@@ -76,9 +78,11 @@ impl MessageKind {
 /// An ordered multimap of header names to values.
 ///
 /// Lookups ignore ASCII case, as NATS servers and most clients do not canonicalise names.
+/// Clones share the entries (a delivery's headers are handed to the task without a
+/// copy); a change to a shared map copies it first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Headers {
-    entries: Vec<(String, String)>,
+    entries: Arc<Vec<(String, String)>>,
 }
 
 impl Headers {
@@ -90,14 +94,15 @@ impl Headers {
     /// Sets `name` to `value`, replacing any earlier values of `name`.
     pub fn insert(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
         let name = name.into();
-        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(&name));
-        self.entries.push((name, value.into()));
+        let entries = Arc::make_mut(&mut self.entries);
+        entries.retain(|(n, _)| !n.eq_ignore_ascii_case(&name));
+        entries.push((name, value.into()));
         self
     }
 
     /// Adds a value for `name`, keeping earlier ones.
     pub fn append(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
-        self.entries.push((name.into(), value.into()));
+        Arc::make_mut(&mut self.entries).push((name.into(), value.into()));
         self
     }
 
@@ -114,7 +119,10 @@ impl Headers {
 
     /// Removes every value of `name`.
     pub fn remove(&mut self, name: &str) {
-        self.entries.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        if !self.entries.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)) {
+            return;
+        }
+        Arc::make_mut(&mut self.entries).retain(|(n, _)| !n.eq_ignore_ascii_case(name));
     }
 
     /// All entries in insertion order.
@@ -149,7 +157,7 @@ impl Headers {
 
 impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
     fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
-        Self { entries: iter.into_iter().map(|(n, v)| (n.into(), v.into())).collect() }
+        Self { entries: Arc::new(iter.into_iter().map(|(n, v)| (n.into(), v.into())).collect()) }
     }
 }
 
