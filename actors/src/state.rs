@@ -413,6 +413,17 @@ impl<M> TaskState<M> {
         self.committable.get(&input).copied()
     }
 
+    /// How many orders of `input` are committable and not committed yet. Orders count
+    /// envelopes of all inputs, so this is exact for a task with one input and an upper
+    /// bound otherwise.
+    pub fn uncommitted_count(&self, input: InputId) -> u64 {
+        match (self.committable.get(&input), self.committed.get(&input)) {
+            (Some(&able), Some(&done)) => able.saturating_sub(done),
+            (Some(&able), None) => able + 1,
+            (None, _) => 0,
+        }
+    }
+
     /// Completions the last commit has not covered yet.
     pub fn uncommitted(&self) -> bool {
         self.committable != self.committed

@@ -747,3 +747,49 @@ async fn a_failed_attempt_publishes_nothing() {
     job.stop();
     job.wait().await.expect("stop");
 }
+
+#[actix_rt::test]
+async fn a_partition_commits_once_per_half_window_not_once_per_message() {
+    tokio::time::pause();
+    const ONE: StreamDef<Record> = StreamDef::ordered("one", 1);
+    struct Counting(Rc<RefCell<u32>>);
+    impl Task for Counting {
+        type Input = Record;
+        async fn process(&mut self, _: Record, _: &mut TaskContext) -> Result<(), TaskError> {
+            Ok(())
+        }
+        async fn commit(&mut self, _: &mut TaskContext) -> Result<(), TaskError> {
+            *self.0.borrow_mut() += 1;
+            Ok(())
+        }
+    }
+    let b = EmbeddedBroker::new().shared();
+    let commits: Rc<RefCell<u32>> = Rc::default();
+    let c = commits.clone();
+    let job_def = Job::new("t").task(ONE, move |_| Counting(c.clone()));
+    job_def.provision(b.clone()).await.expect("provision");
+    // A backlog of four windows (256 each), so every claim brings a whole window.
+    let n = 1024u64;
+    for id in 0..n {
+        let payload = codec().encode(&Record { id, body: String::new() }).expect("encode");
+        let msg = OutboundMessage::new("flotilla.t.one.0", payload).with_id(format!("one-{id}"));
+        b.publish(msg).await.expect("publish");
+    }
+    let job = job_def.start(b.clone()).await.expect("start");
+    let mut acked = false;
+    for _ in 0..600 {
+        let c = b.consumer_state("FLOTILLA_t_one", "one-p0").await.expect("consumer");
+        if c.num_pending == 0 && c.num_ack_pending == 0 {
+            acked = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(acked, "the partition was not fully committed in time");
+    let commits = *commits.borrow();
+    // Half a window (128) per commit is 8; a commit when the worker runs dry may add one
+    // per claim. One per message would be about a thousand.
+    assert!((1..=24).contains(&commits), "{commits} commits for {n} messages");
+    job.stop();
+    job.wait().await.expect("stop");
+}

@@ -572,9 +572,11 @@ impl<T: Task> TaskWorker<T> {
         if !self.state.uncommitted() || self.state.commit_pending() {
             return;
         }
-        let uncommitted = self.claimed.len();
+        // Completed and not yet committed (not merely claimed: a claim of a whole
+        // window must not turn every completion into a commit).
+        let uncommitted = self.state.uncommitted_count(0);
         let idle = self.state.pending_len() == 0 && self.state.in_flight() == 0;
-        if idle || uncommitted >= (self.config.window as usize / 2).max(1) {
+        if idle || uncommitted >= (u64::from(self.config.window) / 2).max(1) {
             self.state.request_commit();
         }
     }
