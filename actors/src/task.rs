@@ -302,17 +302,20 @@ impl Outputs {
             Some(cause) => cause.derive_output(index),
             None => MessageId::new_v7(),
         };
-        let mut msg = OutboundMessage::new(subject, payload)
-            .with_id(id.as_str())
-            .with_header(headers::KEY, key)
-            .with_header(headers::TYPE, stream.type_name())
-            .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
-            .with_header(headers::EPOCH, self.epoch.to_string());
+        // A fresh message: append (no search for an earlier value of each name).
+        let mut msg = OutboundMessage::new(subject, payload);
+        msg.headers = Headers::with_capacity(7);
+        let h = &mut msg.headers;
+        h.append(headers::MSG_ID, String::from(id.as_str()))
+            .append(headers::KEY, key)
+            .append(headers::TYPE, stream.type_name())
+            .append(headers::SENT, unix_millis(SystemTime::now()).to_string())
+            .append(headers::EPOCH, self.epoch.to_string());
         if let Some(cause) = &self.cause {
-            msg.headers.insert(headers::CAUSE, cause.as_str());
+            h.append(headers::CAUSE, cause.as_str());
         }
         if let Some(tp) = &self.traceparent {
-            msg.headers.insert(headers::TRACEPARENT, tp.clone());
+            h.append(headers::TRACEPARENT, tp.clone());
         }
         Ok(msg)
     }

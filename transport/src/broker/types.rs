@@ -349,7 +349,7 @@ impl OutboundMessage {
     }
 
     /// Sets a header.
-    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+    pub fn with_header(mut self, name: impl Into<std::borrow::Cow<'static, str>>, value: impl Into<String>) -> Self {
         self.headers.insert(name, value);
         self
     }

@@ -373,7 +373,7 @@ fn to_header_map(headers: &Headers) -> async_nats::HeaderMap {
 fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
     map.map(|map| {
         map.iter()
-            .flat_map(|(name, values)| values.iter().map(move |v| (AsRef::<str>::as_ref(name), v.as_str())))
+            .flat_map(|(name, values)| values.iter().map(move |v| (AsRef::<str>::as_ref(name).to_owned(), v.as_str())))
             .collect()
     })
     .unwrap_or_default()

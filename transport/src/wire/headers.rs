@@ -1,5 +1,6 @@
 //! Header names and the small header map carried by every message.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// JetStream's deduplication id. Required of every producer.
@@ -79,10 +80,11 @@ impl MessageKind {
 ///
 /// Lookups ignore ASCII case, as NATS servers and most clients do not canonicalise names.
 /// Clones share the entries (a delivery's headers are handed to the task without a
-/// copy); a change to a shared map copies it first.
+/// copy); a change to a shared map copies it first. Names given as `&'static str` (the
+/// constants of this module) are not copied.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Headers {
-    entries: Arc<Vec<(String, String)>>,
+    entries: Arc<Vec<(Cow<'static, str>, String)>>,
 }
 
 impl Headers {
@@ -91,8 +93,13 @@ impl Headers {
         Self::default()
     }
 
+    /// An empty header map with room for `n` entries.
+    pub fn with_capacity(n: usize) -> Self {
+        Self { entries: Arc::new(Vec::with_capacity(n)) }
+    }
+
     /// Sets `name` to `value`, replacing any earlier values of `name`.
-    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+    pub fn insert(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> &mut Self {
         let name = name.into();
         let entries = Arc::make_mut(&mut self.entries);
         entries.retain(|(n, _)| !n.eq_ignore_ascii_case(&name));
@@ -101,13 +108,13 @@ impl Headers {
     }
 
     /// Adds a value for `name`, keeping earlier ones.
-    pub fn append(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+    pub fn append(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> &mut Self {
         Arc::make_mut(&mut self.entries).push((name.into(), value.into()));
         self
     }
 
     /// Builder form of [`Headers::insert`].
-    pub fn with(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+    pub fn with(mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> Self {
         self.insert(name, value);
         self
     }
@@ -127,7 +134,7 @@ impl Headers {
 
     /// All entries in insertion order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.entries.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+        self.entries.iter().map(|(n, v)| (&**n, v.as_str()))
     }
 
     /// Number of entries.
@@ -155,7 +162,7 @@ impl Headers {
     }
 }
 
-impl<N: Into<String>, V: Into<String>> FromIterator<(N, V)> for Headers {
+impl<N: Into<Cow<'static, str>>, V: Into<String>> FromIterator<(N, V)> for Headers {
     fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
         Self { entries: Arc::new(iter.into_iter().map(|(n, v)| (n.into(), v.into())).collect()) }
     }

@@ -34,8 +34,21 @@ impl MessageId {
     /// message with this id: `UUIDv5(OUTPUT_ID_NAMESPACE, "<this id>/<index>")`, where
     /// `<index>` is written in decimal. See `docs/wire-format.md`.
     pub fn derive_output(&self, index: u32) -> MessageId {
-        let name = format!("{}/{}", self.0, index);
-        Self(Uuid::new_v5(&OUTPUT_ID_NAMESPACE, name.as_bytes()).hyphenated().to_string())
+        // "<id>/<index>" on the stack when it fits (the hot path sends many outputs).
+        let mut buf = [0u8; 96];
+        let name = {
+            use std::io::Write;
+            let mut w = &mut buf[..];
+            match write!(w, "{}/{}", self.0, index) {
+                Ok(()) => {
+                    let len = 96 - w.len();
+                    std::borrow::Cow::Borrowed(&buf[..len])
+                }
+                Err(_) => std::borrow::Cow::Owned(format!("{}/{}", self.0, index).into_bytes()),
+            }
+        };
+        let mut out = Uuid::encode_buffer();
+        Self(Uuid::new_v5(&OUTPUT_ID_NAMESPACE, &name).hyphenated().encode_lower(&mut out).to_owned())
     }
 
     /// The id as sent on the wire.
