@@ -229,13 +229,23 @@ pub struct Outputs {
     cause: Option<MessageId>,
     traceparent: Option<String>,
     epoch: u64,
-    next_index: Rc<Cell<u32>>,
-    buffer: Rc<RefCell<Vec<OutboundMessage>>>,
+    /// What clones of this handle share (one allocation per callback).
+    shared: Rc<OutputsShared>,
+}
+
+/// The next output's index and the outputs of this callback so far.
+#[derive(Default)]
+struct OutputsShared {
+    next_index: Cell<u32>,
+    buffer: RefCell<Vec<OutboundMessage>>,
 }
 
 impl std::fmt::Debug for Outputs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Outputs").field("cause", &self.cause).field("buffered", &self.buffer.borrow().len()).finish()
+        f.debug_struct("Outputs")
+            .field("cause", &self.cause)
+            .field("buffered", &self.shared.buffer.borrow().len())
+            .finish()
     }
 }
 
@@ -296,8 +306,8 @@ impl Outputs {
             }
             StreamKind::Queue => self.env.subjects.queue(&name),
         };
-        let index = self.next_index.get();
-        self.next_index.set(index + 1);
+        let index = self.shared.next_index.get();
+        self.shared.next_index.set(index + 1);
         let id = match &self.cause {
             Some(cause) => cause.derive_output(index),
             None => MessageId::new_v7(),
@@ -321,13 +331,13 @@ impl Outputs {
     }
 
     async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
-        self.buffer.borrow_mut().push(msg);
+        self.shared.buffer.borrow_mut().push(msg);
         Ok(())
     }
 
     /// The outputs of this callback, in send order.
     pub(crate) fn take_buffer(&self) -> Vec<OutboundMessage> {
-        std::mem::take(&mut *self.buffer.borrow_mut())
+        std::mem::take(&mut *self.shared.buffer.borrow_mut())
     }
 }
 
@@ -362,14 +372,7 @@ impl TaskContext {
         let cause = meta.as_ref().map(|m| m.id.clone());
         let traceparent = meta.as_ref().and_then(|m| m.headers.get(headers::TRACEPARENT).map(str::to_owned));
         Self {
-            outputs: Outputs {
-                env,
-                cause,
-                traceparent,
-                epoch,
-                next_index: Rc::new(Cell::new(0)),
-                buffer: Rc::new(RefCell::new(Vec::new())),
-            },
+            outputs: Outputs { env, cause, traceparent, epoch, shared: Rc::default() },
             meta,
             partition,
             requests: Requests::default(),

@@ -39,7 +39,7 @@ use flotilla_transport::broker::{AckKind, AckToken, Delivery};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::FutureExt;
 use futures::future::LocalBoxFuture;
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
@@ -173,10 +173,13 @@ pub struct TaskWorker<T: Task> {
     reaper: Addr<Reaper>,
     /// Started messages until acknowledged (queue) or effects stored (ordered).
     inflight: FxHashMap<u64, Envelope>,
-    /// Claimed messages by order, until committed (ordered) or acked (queue markers).
+    /// Claimed messages by order, until committed: every message of an ordered input,
+    /// only the markers of a queue input (its data messages are acked one by one).
     claimed: BTreeMap<u64, Claimed>,
-    /// Stream sequences held (ordered): redeliveries of these are dropped.
-    known: FxHashSet<u64>,
+    /// Ordered inputs: the highest stream sequence delivered to this worker. A partition
+    /// delivers first deliveries in ascending order, so anything at or below it is a
+    /// redelivery of a message this worker holds (or committed) and is dropped.
+    max_seen_seq: u64,
     committed_seq: u64,
     /// Ordered inputs: the delivery whose ack-all made the last commit.
     last_commit: Option<AckToken>,
@@ -222,7 +225,7 @@ impl<T: Task> TaskWorker<T> {
             reaper,
             inflight: FxHashMap::default(),
             claimed: BTreeMap::new(),
-            known: FxHashSet::default(),
+            max_seen_seq: 0,
             committed_seq: 0,
             last_commit: None,
             retries: VecDeque::new(),
@@ -357,9 +360,10 @@ impl<T: Task> TaskWorker<T> {
             }
         };
         let meta = MessageMeta {
-            id: MessageId::from_wire(
-                d.headers.msg_id().map_or_else(|| format!("{}-{}", d.info.stream, d.info.stream_seq), str::to_owned),
-            ),
+            id: match d.headers.msg_id() {
+                Some(id) => MessageId::from_wire(id),
+                None => MessageId::from_wire(format!("{}-{}", d.info.stream, d.info.stream_seq)),
+            },
             key: d.headers.get(headers::KEY).map(str::to_owned),
             stream: self.binding.stream,
             partition: self.binding.partition,
@@ -768,9 +772,6 @@ impl<T: Task> TaskWorker<T> {
                     self.ack(&c.token, AckKind::Ack);
                 }
             }
-            for c in done.values() {
-                self.known.remove(&c.seq);
-            }
             count = done.len();
         }
         self.state.commit_done(positions);
@@ -808,7 +809,6 @@ impl<T: Task> TaskWorker<T> {
         let count = unstarted.len();
         for p in unstarted {
             self.claimed.remove(&p.order);
-            self.known.remove(&p.msg.info.stream_seq);
             self.hand_back(&p.msg.token);
         }
         self.completed(count);
@@ -835,7 +835,6 @@ impl<T: Task> TaskWorker<T> {
             self.hand_back(&e.delivery.token);
         }
         self.claimed.clear();
-        self.known.clear();
     }
 
     /// The partition's lease is lost: act no more for it. Nothing is acked, nak'd or
@@ -849,7 +848,6 @@ impl<T: Task> TaskWorker<T> {
         let _ = self.state.take_unstarted();
         self.inflight.clear();
         self.claimed.clear();
-        self.known.clear();
         self.finish(Outcome::Stopped, ctx);
     }
 
@@ -964,12 +962,13 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 dropped += 1;
                 continue;
             }
-            if self.binding.ordered()
-                && (d.info.stream_seq <= self.committed_seq || !self.known.insert(d.info.stream_seq))
-            {
-                // A redelivery of something this worker holds or committed.
-                dropped += 1;
-                continue;
+            if self.binding.ordered() {
+                if d.info.stream_seq <= self.committed_seq.max(self.max_seen_seq) {
+                    // A redelivery of something this worker holds or committed.
+                    dropped += 1;
+                    continue;
+                }
+                self.max_seen_seq = d.info.stream_seq;
             }
             let kind = match d.headers.kind() {
                 Some(MessageKind::Drain) => {
@@ -978,9 +977,12 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 Some(MessageKind::EndOfStream) => EnvelopeKind::EndOfStream,
                 _ => EnvelopeKind::Data,
             };
-            let claimed = Claimed { token: d.token.clone(), seq: d.info.stream_seq, at: now };
+            let held = self.binding.ordered() || !matches!(kind, EnvelopeKind::Data);
+            let claimed = held.then(|| Claimed { token: d.token.clone(), seq: d.info.stream_seq, at: now });
             let order = self.state.insert(0, kind, d);
-            self.claimed.insert(order, claimed);
+            if let Some(claimed) = claimed {
+                self.claimed.insert(order, claimed);
+            }
         }
         self.completed(dropped);
         self.drive(ctx);

@@ -7,6 +7,7 @@
 //! as duplicates downstream.
 
 use std::fmt;
+use std::sync::Arc;
 use uuid::Uuid;
 
 /// The UUID v5 namespace of derived output ids. Part of the wire format: never change it.
@@ -16,18 +17,20 @@ pub const OUTPUT_ID_NAMESPACE: Uuid = Uuid::from_u128(0x6f4c_1a2e_3b5d_4e7f_8a9b
 ///
 /// Flotilla's own ids are UUIDs in the hyphenated lowercase form; ids from foreign
 /// producers may be any non-empty string and are kept verbatim.
+/// Clones share the text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct MessageId(String);
+pub struct MessageId(Arc<str>);
 
 impl MessageId {
     /// A fresh, time-ordered UUID v7 id.
     pub fn new_v7() -> Self {
-        Self(Uuid::now_v7().hyphenated().to_string())
+        let mut out = Uuid::encode_buffer();
+        Self(Arc::from(&*Uuid::now_v7().hyphenated().encode_lower(&mut out)))
     }
 
     /// Wraps an id received on the wire.
-    pub fn from_wire(id: impl Into<String>) -> Self {
-        Self(id.into())
+    pub fn from_wire(id: impl AsRef<str>) -> Self {
+        Self(Arc::from(id.as_ref()))
     }
 
     /// The id of the `index`-th output (counting from 0) produced while processing the
@@ -48,7 +51,7 @@ impl MessageId {
             }
         };
         let mut out = Uuid::encode_buffer();
-        Self(Uuid::new_v5(&OUTPUT_ID_NAMESPACE, &name).hyphenated().encode_lower(&mut out).to_owned())
+        Self(Arc::from(&*Uuid::new_v5(&OUTPUT_ID_NAMESPACE, &name).hyphenated().encode_lower(&mut out)))
     }
 
     /// The id as sent on the wire.
