@@ -67,6 +67,7 @@ conformance!(
     provisioning_twice_is_a_no_op,
     mismatching_config_is_refused,
     missing_objects_are_typed_errors,
+    filtered_consumers_see_only_their_subjects,
 );
 
 async fn connect(server: &NatsServer) -> SharedBroker {
@@ -128,6 +129,36 @@ mod cases {
         assert_eq!((c.num_pending, c.num_ack_pending, c.ack_floor), (0, 0, 3));
         assert_eq!(b.stream_state("Q").await.expect("stream").messages, 0, "work queue removes acked messages");
         assert!(b.claim("Q", "w", 10, Duration::from_millis(200)).await.expect("claim").is_empty());
+    }
+
+    pub async fn filtered_consumers_see_only_their_subjects(b: SharedBroker) {
+        b.ensure_stream(StreamSpec::new("F", vec!["f.>".into()], Retention::Limits)).await.expect("stream");
+        let filtered = |name: &str, filter: Option<&str>| ConsumerSpec {
+            filter_subject: filter.map(str::to_owned),
+            ..ConsumerSpec::new(name)
+        };
+        for (name, filter) in [("a", Some("f.a")), ("b", Some("f.b")), ("wild", Some("f.*")), ("all", None)] {
+            b.ensure_consumer("F", filtered(name, filter)).await.expect("consumer");
+        }
+        publish(&b, "f.a", "a1").await;
+        publish(&b, "f.a", "a2").await;
+        publish(&b, "f.b", "b1").await;
+        publish(&b, "f.c.deep", "c1").await;
+        let pending = |c: flotilla_transport::broker::ConsumerState| c.num_pending;
+        for (name, want) in [("a", 2), ("b", 1), ("wild", 3), ("all", 4)] {
+            assert_eq!(pending(b.consumer_state("F", name).await.expect("state")), want, "consumer {name}");
+        }
+        let got = b.claim("F", "a", 10, WAIT).await.expect("claim");
+        assert_eq!(got.iter().map(|d| d.payload.clone()).collect::<Vec<_>>(), vec!["a1", "a2"]);
+        // Deleted and created again: it counts what is stored, and a publish after the
+        // delete reaches the others only.
+        assert!(b.delete_consumer("F", "b").await.expect("delete"));
+        publish(&b, "f.b", "b2").await;
+        assert_eq!(pending(b.consumer_state("F", "wild").await.expect("state")), 4);
+        b.ensure_consumer("F", filtered("b", Some("f.b"))).await.expect("again");
+        assert_eq!(pending(b.consumer_state("F", "b").await.expect("state")), 2);
+        let got = b.claim("F", "b", 10, WAIT).await.expect("claim");
+        assert_eq!(got.iter().map(|d| d.payload.clone()).collect::<Vec<_>>(), vec!["b1", "b2"]);
     }
 
     pub async fn claim_never_exceeds_max(b: SharedBroker) {

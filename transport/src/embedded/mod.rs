@@ -261,11 +261,11 @@ impl Broker for EmbeddedBroker {
     fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BoxFuture<BrokerResult<ConsumerState>> {
         let mut st = self.inner.lock();
         let result = st.stream(stream).and_then(|s| {
-            if let Some(existing) = s.consumers.get_mut(&spec.name) {
+            if let Some(existing) = s.consumers.get(&spec.name) {
                 compare::consumer_fixed(stream, &existing.spec, &spec)?;
                 if existing.spec != spec {
                     tracing::info!(stream, consumer = %spec.name, from = ?existing.spec, to = ?spec, "consumer settings updated");
-                    existing.spec = spec.clone();
+                    s.update_consumer(spec.clone());
                 }
             } else {
                 s.add_consumer(spec.clone())?;
@@ -300,13 +300,7 @@ impl Broker for EmbeddedBroker {
 
     fn delete_consumer(&self, stream: &str, consumer: &str) -> BoxFuture<BrokerResult<bool>> {
         let mut st = self.inner.lock();
-        ready(st.stream(stream).map(|s| {
-            let removed = s.consumers.remove(consumer);
-            if let Some(c) = &removed {
-                c.notify.notify_waiters();
-            }
-            removed.is_some()
-        }))
+        ready(st.stream(stream).map(|s| s.remove_consumer(consumer).is_some()))
     }
 
     fn publish(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PublishAck>> {

@@ -98,9 +98,57 @@ pub(crate) struct Stream {
     pub dedupe: HashMap<String, u64>,
     pub dedupe_order: VecDeque<(Instant, String)>,
     pub consumers: BTreeMap<String, Consumer>,
+    /// Which consumers a subject can match, so a message touches only those.
+    pub index: ConsumerIndex,
     pub kv_watchers: Vec<KvWatcher>,
     /// For KV streams, the bucket name.
     pub kv_bucket: Option<String>,
+}
+
+/// The consumers of a stream by exact filter subject, and those with a wildcard or no
+/// filter. A stream of 10,000 partitions has 10,000 consumers: a publish, an ack or a
+/// removal must not test every one of them.
+#[derive(Debug, Default)]
+pub(crate) struct ConsumerIndex {
+    exact: HashMap<String, Vec<String>>,
+    other: BTreeSet<String>,
+}
+
+impl ConsumerIndex {
+    fn exact_filter(spec: &ConsumerSpec) -> Option<&str> {
+        spec.filter_subject.as_deref().filter(|f| !f.contains(['*', '>']))
+    }
+
+    fn add(&mut self, spec: &ConsumerSpec) {
+        match Self::exact_filter(spec) {
+            Some(f) => self.exact.entry(f.to_owned()).or_default().push(spec.name.clone()),
+            None => {
+                self.other.insert(spec.name.clone());
+            }
+        }
+    }
+
+    fn remove(&mut self, spec: &ConsumerSpec) {
+        match Self::exact_filter(spec) {
+            Some(f) => {
+                if let Some(names) = self.exact.get_mut(f) {
+                    names.retain(|n| *n != spec.name);
+                    if names.is_empty() {
+                        self.exact.remove(f);
+                    }
+                }
+            }
+            None => {
+                self.other.remove(&spec.name);
+            }
+        }
+    }
+
+    /// Names of the consumers that may match `subject` (callers still check `matches`
+    /// for those with a wildcard filter).
+    fn candidates<'a>(&'a self, subject: &str) -> impl Iterator<Item = &'a String> + 'a {
+        self.exact.get(subject).into_iter().flatten().chain(self.other.iter())
+    }
 }
 
 /// A MAX_DELIVERIES advisory to publish after the lock is released.
@@ -121,6 +169,7 @@ impl Stream {
             dedupe: HashMap::new(),
             dedupe_order: VecDeque::new(),
             consumers: BTreeMap::new(),
+            index: ConsumerIndex::default(),
             kv_watchers: Vec::new(),
             kv_bucket,
         }
@@ -171,11 +220,16 @@ impl Stream {
                 self.by_subject.remove(&m.subject);
             }
         }
-        for c in self.consumers.values_mut() {
-            if seq >= c.next_seq && c.matches(&m.subject) {
-                c.num_pending = c.num_pending.saturating_sub(1);
+        let Stream { consumers, index, .. } = self;
+        for name in index.candidates(&m.subject) {
+            if let Some(c) = consumers.get_mut(name)
+                && c.matches(&m.subject)
+            {
+                if seq >= c.next_seq {
+                    c.num_pending = c.num_pending.saturating_sub(1);
+                }
+                c.stranded.remove(&seq);
             }
-            c.stranded.remove(&seq);
         }
         true
     }
@@ -228,11 +282,14 @@ impl Stream {
             .map(|(k, _)| k.clone())
             .unwrap_or_else(|| Arc::from(msg.subject.as_str()));
         // Interest retention with nobody interested stores nothing (but still acks).
-        let interested =
-            self.spec.retention != Retention::Interest || self.consumers.values().any(|c| c.matches(&subject));
+        let interested = self.spec.retention != Retention::Interest
+            || self.index.candidates(&subject).any(|n| self.consumers.get(n).is_some_and(|c| c.matches(&subject)));
         if interested {
-            for c in self.consumers.values_mut() {
-                if c.matches(&subject) {
+            let Stream { consumers, index, .. } = &mut *self;
+            for name in index.candidates(&subject) {
+                if let Some(c) = consumers.get_mut(name)
+                    && c.matches(&subject)
+                {
                     c.num_pending += 1;
                 }
             }
@@ -259,8 +316,12 @@ impl Stream {
                 }
             }
             self.notify_kv_watchers(seq);
-            for c in self.consumers.values().filter(|c| c.matches(&subject)) {
-                c.notify.notify_waiters();
+            for name in self.index.candidates(&subject) {
+                if let Some(c) = self.consumers.get(name)
+                    && c.matches(&subject)
+                {
+                    c.notify.notify_waiters();
+                }
             }
         }
         Ok(PublishAck { stream: self.spec.name.clone(), seq, duplicate: false })
@@ -327,15 +388,32 @@ impl Stream {
             notify: Arc::new(Notify::new()),
         };
         c.num_pending = self.msgs.values().filter(|m| c.matches(&m.subject)).count() as u64;
+        self.index.add(&c.spec);
         self.consumers.insert(c.spec.name.clone(), c);
         Ok(())
     }
 
+    /// Removes a consumer (waking its claims, which then find it gone).
+    pub fn remove_consumer(&mut self, name: &str) -> Option<Consumer> {
+        let old = self.consumers.remove(name)?;
+        self.index.remove(&old.spec);
+        old.notify.notify_waiters();
+        Some(old)
+    }
+
+    /// Applies changed settings to an existing consumer.
+    pub fn update_consumer(&mut self, spec: ConsumerSpec) {
+        let Stream { consumers, index, .. } = self;
+        if let Some(c) = consumers.get_mut(&spec.name) {
+            index.remove(&c.spec);
+            index.add(&spec);
+            c.spec = spec;
+        }
+    }
+
     /// Replaces a consumer with one that delivers from `start_seq` on.
     pub fn reset_consumer(&mut self, spec: ConsumerSpec, start_seq: u64) -> BrokerResult<()> {
-        if let Some(old) = self.consumers.remove(&spec.name) {
-            old.notify.notify_waiters();
-        }
+        self.remove_consumer(&spec.name);
         let name = spec.name.clone();
         self.add_consumer(spec)?;
         let Stream { msgs, consumers, .. } = self;
