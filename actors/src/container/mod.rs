@@ -309,10 +309,6 @@ impl Container {
             // Paused: claim only for steps.
             free = free.min(slot.step_credits as usize);
             slot.step_credits = 0;
-        } else if slot.outstanding > 0 && free < refill_at(slot.spec.capacity) {
-            // The worker still has work: wait for a batch's worth of room, since every
-            // claim costs the server a pull request.
-            return;
         }
         if free == 0 {
             return;
@@ -502,12 +498,6 @@ impl Actor for Container {
         }
         self.pump(ctx);
     }
-}
-
-/// Free room at which a slot that still holds messages claims more: a quarter of its
-/// capacity, at most 64 (so small capacities refill one by one, as before).
-fn refill_at(capacity: usize) -> usize {
-    (capacity / 4).clamp(1, 64)
 }
 
 impl Handler<WorkerReport> for Container {
