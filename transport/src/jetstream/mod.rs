@@ -507,25 +507,40 @@ impl Inner {
                     // Re-creating a durable with new ack-wait / max deliveries / max
                     // ack-pending updates it (2.9 and later).
                     tracing::info!(stream, consumer = %spec.name, from = ?existing, to = ?spec, "consumer settings updated");
-                    let mut c = s
-                        .create_consumer(to_consumer_config(&spec))
-                        .await
-                        .map_err(|e| api_error(&op, e, self.request_timeout))?;
                     self.consumers.remove(&(stream.to_owned(), spec.name.clone()));
-                    c.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()
+                    self.create_or_adopt(&s, &spec, &op).await?
                 }
             }
-            Err(e) if consumer_missing(&e) => {
-                let mut c = s
-                    .create_consumer(to_consumer_config(&spec))
-                    .await
-                    .map_err(|e| api_error(&op, e, self.request_timeout))?;
-                c.info().await.map_err(|e| api_error(&op, e, self.request_timeout))?.clone()
-            }
+            Err(e) if consumer_missing(&e) => self.create_or_adopt(&s, &spec, &op).await?,
             Err(e) => return Err(api_error(&op, e, self.request_timeout)),
         };
         compare::consumer(stream, &from_consumer_info(&spec.name, &info.config), &spec)?;
         Ok(consumer_state(stream, &info))
+    }
+
+    /// Creates (or updates) the consumer. Nodes starting together race to do the same:
+    /// when the call fails but the consumer now has exactly the wanted settings, another
+    /// node did it and that is success.
+    async fn create_or_adopt(
+        &self,
+        s: &jetstream::stream::Stream,
+        spec: &ConsumerSpec,
+        op: &str,
+    ) -> BrokerResult<jetstream::consumer::Info> {
+        let created = match s.create_consumer(to_consumer_config(spec)).await {
+            Ok(mut c) => c.info().await.cloned().map_err(|e| api_error(op, e, self.request_timeout)),
+            Err(e) => Err(api_error(op, e, self.request_timeout)),
+        };
+        match created {
+            Ok(info) => Ok(info),
+            Err(err) => match s.consumer_info(&spec.name).await {
+                Ok(info) if from_consumer_info(&spec.name, &info.config) == *spec => {
+                    debug!(consumer = %spec.name, error = %err, "consumer created by another node meanwhile");
+                    Ok(info)
+                }
+                _ => Err(err),
+            },
+        }
     }
 
     async fn kv_store(&self, bucket: &str) -> BrokerResult<jetstream::kv::Store> {
