@@ -356,15 +356,7 @@ impl Broker for EmbeddedBroker {
     }
 
     fn ack(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>> {
-        let AckTokenInner::Embedded { stream, consumer, seq } = &token.0 else {
-            return ready(Err(BrokerError::other(
-                "ack",
-                "a JetStream delivery cannot be acked on the embedded broker",
-            )));
-        };
-        let now = self.inner.clock.now();
-        let mut st = self.inner.lock();
-        ready(st.stream(stream).and_then(|s| s.ack(consumer, *seq, kind, now)))
+        self.ack_many(vec![(token.clone(), kind)])
     }
 
     fn ack_many(&self, acks: Vec<(AckToken, AckKind)>) -> BoxFuture<BrokerResult<()>> {

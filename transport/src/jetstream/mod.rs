@@ -856,16 +856,7 @@ impl Broker for JetStreamBroker {
     }
 
     fn ack(&self, token: &AckToken, kind: AckKind) -> BoxFuture<BrokerResult<()>> {
-        let inner = self.inner.clone();
-        let reply = reply_of(token);
-        Box::pin(async move {
-            let reply = reply?;
-            inner
-                .client
-                .publish(reply, ack_body(kind))
-                .await
-                .map_err(|e| BrokerError::Disconnected { operation: "ack".into(), reason: e.to_string() })
-        })
+        self.ack_many(vec![(token.clone(), kind)])
     }
 
     fn ack_many(&self, acks: Vec<(AckToken, AckKind)>) -> BoxFuture<BrokerResult<()>> {
