@@ -72,3 +72,48 @@ async fn more_pipelined_publishes_than_the_ack_window_complete() {
     }
     assert_eq!(broker.stream_state("P").await.expect("state").messages, 400);
 }
+
+/// A partition's new owner resets its consumer (delete, then create at the committed
+/// position) while other nodes, starting up, provision the same consumer (create it if
+/// missing). A provisioning create that lands between the delete and the create used
+/// to make the reset fail, and the owner then consumed the partition from sequence 1:
+/// everything processed again. The reset must win, and start where it was asked to.
+#[tokio::test]
+async fn a_reset_racing_provisioning_nodes_still_starts_at_its_sequence() {
+    let server = NatsServer::start();
+    let broker = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
+    broker.ensure_stream(StreamSpec::new("R", vec!["r.>".into()], Retention::Limits)).await.expect("stream");
+    let msgs: Vec<_> =
+        (0..10).map(|i| flotilla_transport::broker::OutboundMessage::new("r.0", Bytes::from(format!("{i}")))).collect();
+    assert!(broker.publish_batch(msgs).await.iter().all(Result::is_ok));
+    let spec = ConsumerSpec { ack_policy: flotilla_transport::broker::AckPolicy::All, ..ConsumerSpec::new("p0") };
+    broker.ensure_consumer("R", spec.clone()).await.expect("consumer");
+    for round in 0..15 {
+        // Two other "nodes" provisioning in a loop, on their own connections.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut provisioners = Vec::new();
+        for _ in 0..2 {
+            let other = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
+            let (spec, stop) = (spec.clone(), stop.clone());
+            provisioners.push(tokio::spawn(async move {
+                // A provisioning every few milliseconds: far more than nodes starting
+                // up do (once each), so the reset has to win against real contention.
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let _ = other.ensure_consumer("R", spec.clone()).await;
+                    n += 1;
+                    tokio::time::sleep(Duration::from_millis(1 + n % 4)).await;
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let reset = broker.reset_consumer("R", spec.clone(), 8).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for p in provisioners {
+            p.await.expect("provisioner");
+        }
+        reset.unwrap_or_else(|e| panic!("round {round}: reset failed: {e}"));
+        let first = broker.claim("R", "p0", 1, Duration::from_secs(5)).await.expect("claim");
+        assert_eq!(first.first().map(|d| d.info.stream_seq), Some(8), "round {round}: the consumer starts at 8");
+    }
+}

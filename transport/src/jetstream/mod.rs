@@ -724,17 +724,41 @@ impl Broker for JetStreamBroker {
             let op = format!("reset consumer {} of {stream} to sequence {start_seq}", spec.name);
             let s = inner.stream_handle(&stream).await?;
             inner.consumers.remove(&(stream.clone(), spec.name.clone()));
-            match s.delete_consumer(&spec.name).await {
-                Ok(_) => {}
-                Err(e) if consumer_missing(&e) => {}
-                Err(e) => return Err(api_error(&op, e, inner.request_timeout)),
-            }
             let mut config = to_consumer_config(&spec);
-            config.deliver_policy =
-                jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: start_seq.max(1) };
-            let mut c = s.create_consumer(config).await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
-            let info = c.info().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
-            Ok(consumer_state(&stream, info))
+            let start = jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: start_seq.max(1) };
+            config.deliver_policy = start;
+            // Delete, then create at `start_seq`. Another node provisioning the same
+            // consumer (create if missing) can create it in between, from sequence 1;
+            // our create then fails (the deliver policy cannot change). Delete that one
+            // and try again: adopting it would consume the partition from the start.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                // (A delete racing a create can fail on the server's side too, for
+                // example "directory not empty" on 2.9: that is retried the same way.)
+                let created = match s.delete_consumer(&spec.name).await {
+                    Err(e) if !consumer_missing(&e) => Err(api_error(&op, e, inner.request_timeout)),
+                    _ => match s.create_consumer(config.clone()).await {
+                        Ok(mut c) => c.info().await.cloned().map_err(|e| api_error(&op, e, inner.request_timeout)),
+                        Err(e) => Err(api_error(&op, e, inner.request_timeout)),
+                    },
+                };
+                match created {
+                    Ok(info) if info.config.deliver_policy == start => return Ok(consumer_state(&stream, &info)),
+                    Ok(_) | Err(_) if attempt < 20 => {
+                        debug!(consumer = %spec.name, attempt, outcome = ?created.err(), "consumer re-created by another node during a reset; resetting again");
+                        let pause = Duration::from_millis(rand::rng().random_range(1..20));
+                        tokio::time::sleep(pause).await;
+                    }
+                    Ok(_) => {
+                        return Err(BrokerError::other(
+                            &op,
+                            "another node kept re-creating the consumer from its start",
+                        ));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
         })
     }
 
