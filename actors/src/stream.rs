@@ -71,8 +71,9 @@ impl<T> StreamDef<T> {
 /// `T`'s name without module path or generics: `relay::Record` → `Record`.
 pub fn short_type_name<T>() -> &'static str {
     let full = std::any::type_name::<T>();
-    let base = full.split('<').next().unwrap_or(full);
-    base.rsplit("::").next().unwrap_or(base)
+    // Char searches, not `split("::")`: this runs for every output.
+    let base = full.find('<').map_or(full, |at| &full[..at]);
+    base.rfind(':').map_or(base, |at| &base[at + 1..])
 }
 
 #[cfg(test)]
@@ -85,6 +86,8 @@ mod tests {
     fn type_names_are_short() {
         assert_eq!(StreamDef::<Record>::ordered("relay-in", 8).type_name(), "Record");
         assert_eq!(StreamDef::<Vec<u8>>::queue("raw").type_name(), "Vec");
+        assert_eq!(StreamDef::<std::collections::HashMap<String, u8>>::queue("m").type_name(), "HashMap");
+        assert_eq!(StreamDef::<u64>::queue("n").type_name(), "u64");
         assert_eq!(StreamDef::<Record>::queue("q").with_type_name("relay.Record").type_name(), "relay.Record");
     }
 }

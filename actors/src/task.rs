@@ -44,9 +44,10 @@ use flotilla_transport::clock::unix_millis;
 use flotilla_transport::topology;
 use flotilla_transport::wire::{Codec, Headers, MessageId, StreamName, Subjects, headers, partition_for};
 use futures::future::LocalBoxFuture;
+use rustc_hash::FxHashMap;
 use serde::{Serialize, de::DeserializeOwned};
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
-use std::collections::HashSet;
 use std::future::Future;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
@@ -170,21 +171,40 @@ pub struct TaskEnv {
     pub subjects: Subjects,
     /// The current run id (drain markers carry it).
     pub run_id: String,
-    provisioned: RefCell<HashSet<&'static str>>,
+    /// Output streams known to exist, with the subject (the partition's, less its
+    /// number, for ordered streams) outputs to them go to.
+    provisioned: RefCell<FxHashMap<&'static str, Rc<str>>>,
 }
 
 impl TaskEnv {
     /// An environment for `subjects`' job.
     pub fn new(broker: SharedBroker, codec: Codec, subjects: Subjects, run_id: impl Into<String>) -> Self {
-        Self { broker, codec, subjects, run_id: run_id.into(), provisioned: RefCell::new(HashSet::new()) }
+        Self { broker, codec, subjects, run_id: run_id.into(), provisioned: RefCell::default() }
     }
 
-    /// Makes sure the stream behind `def` exists (once per node).
-    async fn ensure_output<T>(&self, def: &StreamDef<T>) -> Result<StreamName, TaskError> {
+    /// Makes sure the stream behind `def` exists (once per node), and returns the
+    /// subject an output keyed `key` goes to.
+    async fn output_subject<T>(&self, def: &StreamDef<T>, key: &str) -> Result<String, TaskError> {
+        let known = self.provisioned.borrow().get(def.name()).cloned();
+        let base = match known {
+            Some(base) => base,
+            None => self.provision_output(def).await?,
+        };
+        Ok(match def.kind() {
+            // As `Subjects::ordered_partition`, without formatting the whole subject.
+            StreamKind::Ordered { partitions } => {
+                let mut subject = String::with_capacity(base.len() + 11);
+                subject.push_str(&base);
+                subject.push('.');
+                push_decimal(&mut subject, partition_for(key, partitions));
+                subject
+            }
+            StreamKind::Queue => String::from(&*base),
+        })
+    }
+
+    async fn provision_output<T>(&self, def: &StreamDef<T>) -> Result<Rc<str>, TaskError> {
         let name = StreamName::new(def.name()).map_err(|e| TaskError::fatal(e.to_string()))?;
-        if self.provisioned.borrow().contains(def.name()) {
-            return Ok(name);
-        }
         let spec = match def.kind() {
             StreamKind::Ordered { .. } => topology::ordered_stream(&self.subjects, &name, None),
             StreamKind::Queue => topology::queue_stream(&self.subjects, &name),
@@ -193,9 +213,26 @@ impl TaskEnv {
             .ensure_stream(spec)
             .await
             .map_err(|e| TaskError::fatal(format!("output stream {}: {e}", def.name())))?;
-        self.provisioned.borrow_mut().insert(def.name());
-        Ok(name)
+        let base: Rc<str> = self.subjects.queue(&name).into();
+        self.provisioned.borrow_mut().insert(def.name(), base.clone());
+        Ok(base)
     }
+}
+
+/// Appends `n` in decimal.
+fn push_decimal(s: &mut String, n: u32) {
+    let mut digits = [0u8; 10];
+    let mut at = digits.len();
+    let mut n = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    s.extend(digits[at..].iter().map(|&d| char::from(d)));
 }
 
 /// Metadata of the message being processed.
@@ -298,36 +335,35 @@ impl Outputs {
         key: &str,
         value: &T,
     ) -> Result<OutboundMessage, TaskError> {
-        let name = self.env.ensure_output(stream).await?;
+        if key.bytes().any(|b| b == b'\r' || b == b'\n') {
+            return Err(TaskError::failed(format!(
+                "output key {key:?} has a line break; keys travel in the {} header, which cannot hold one",
+                headers::KEY
+            )));
+        }
+        let subject = self.env.output_subject(stream, key).await?;
         let payload = self.env.codec.encode(value).map_err(|e| TaskError::failed(e.to_string()))?;
-        let subject = match stream.kind() {
-            StreamKind::Ordered { partitions } => {
-                self.env.subjects.ordered_partition(&name, partition_for(key, partitions))
-            }
-            StreamKind::Queue => self.env.subjects.queue(&name),
-        };
         let index = self.shared.next_index.get();
         self.shared.next_index.set(index + 1);
         let id = match &self.cause {
             Some(cause) => cause.derive_output(index),
             None => MessageId::new_v7(),
         };
-        // A fresh message: append (no search for an earlier value of each name).
-        let mut msg = OutboundMessage::new(subject, payload);
-        msg.headers = Headers::with_capacity(7);
-        let h = &mut msg.headers;
-        h.append(headers::MSG_ID, String::from(id.as_str()))
-            .append(headers::KEY, key)
-            .append(headers::TYPE, stream.type_name())
-            .append(headers::SENT, unix_millis(SystemTime::now()).to_string())
-            .append(headers::EPOCH, self.epoch.to_string());
+        let mut entries = Vec::with_capacity(7);
+        entries.extend([
+            (Cow::Borrowed(headers::MSG_ID), String::from(id.as_str())),
+            (Cow::Borrowed(headers::KEY), key.to_owned()),
+            (Cow::Borrowed(headers::TYPE), stream.type_name().to_owned()),
+            (Cow::Borrowed(headers::SENT), unix_millis(SystemTime::now()).to_string()),
+            (Cow::Borrowed(headers::EPOCH), self.epoch.to_string()),
+        ]);
         if let Some(cause) = &self.cause {
-            h.append(headers::CAUSE, cause.as_str());
+            entries.push((Cow::Borrowed(headers::CAUSE), cause.as_str().to_owned()));
         }
         if let Some(tp) = &self.traceparent {
-            h.append(headers::TRACEPARENT, tp.clone());
+            entries.push((Cow::Borrowed(headers::TRACEPARENT), tp.clone()));
         }
-        Ok(msg)
+        Ok(OutboundMessage { subject, headers: Headers::from(entries), payload, expected_last_subject_seq: None })
     }
 
     async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
@@ -485,6 +521,31 @@ impl TaskContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_subjects_are_the_wire_subjects() {
+        for n in [0, 7, 10, 99, 1000, 4_294_967_295u32] {
+            let mut s = String::from("x.");
+            push_decimal(&mut s, n);
+            assert_eq!(s, format!("x.{n}"));
+        }
+        let broker = flotilla_transport::embedded::EmbeddedBroker::new().shared();
+        let subjects = Subjects::new(flotilla_transport::wire::JobName::new("job").expect("name"));
+        let env = TaskEnv::new(broker, Codec::default(), subjects.clone(), "run");
+        let ordered = StreamDef::<u64>::ordered("out", 16);
+        let queue = StreamDef::<u64>::queue("work");
+        futures::executor::block_on(async {
+            for key in ["a", "b", "user-42", ""] {
+                let want = subjects.ordered_partition(&StreamName::new("out").expect("name"), partition_for(key, 16));
+                assert_eq!(env.output_subject(&ordered, key).await.expect("subject"), want);
+                // Twice: the second comes from the cache.
+                assert_eq!(env.output_subject(&ordered, key).await.expect("subject"), want);
+            }
+            let want = subjects.queue(&StreamName::new("work").expect("name"));
+            assert_eq!(env.output_subject(&queue, "k").await.expect("subject"), want);
+            assert_eq!(env.output_subject(&queue, "k").await.expect("subject"), want);
+        });
+    }
 
     #[derive(Debug, thiserror::Error)]
     #[error("outer")]

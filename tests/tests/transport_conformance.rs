@@ -53,6 +53,8 @@ conformance!(
     reset_consumer_resumes_at_the_committed_position,
     publish_batch_is_ordered,
     pipelined_publishes_keep_call_order,
+    pipelined_batches_keep_order_and_report_the_first_refusal,
+    headers_nats_cannot_carry_are_refused,
     publish_expectation_is_checked,
     publish_without_stream_is_refused,
     oversize_publish_is_refused,
@@ -376,6 +378,65 @@ mod cases {
             Ok(fut) => assert!(matches!(fut.await, Err(BrokerError::NoStream { .. }))),
             Err(e) => assert!(matches!(e, BrokerError::NoStream { .. }), "{e}"),
         }
+    }
+
+    pub async fn pipelined_batches_keep_order_and_report_the_first_refusal(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let batch = |from: u32| -> std::sync::Arc<[OutboundMessage]> {
+            (from..from + 50)
+                .map(|i| OutboundMessage::new("q.a", Bytes::from(i.to_be_bytes().to_vec())).with_id(format!("pb{i}")))
+                .collect()
+        };
+        // Two batches queued before either is awaited: stored in call order.
+        let first = b.publish_pipelined_batch(batch(0)).await.expect("queued");
+        let second = b.publish_pipelined_batch(batch(50)).await.expect("queued");
+        second.await.expect("stored");
+        first.await.expect("stored");
+        let got = b.claim("Q", "w", 100, WAIT).await.expect("claim");
+        let order: Vec<u32> =
+            got.iter().map(|d| u32::from_be_bytes(d.payload[..4].try_into().expect("4 bytes"))).collect();
+        assert_eq!(order, (0..100).collect::<Vec<_>>());
+        // A refused message fails the batch; the others are still stored.
+        let mixed: std::sync::Arc<[OutboundMessage]> = vec![
+            OutboundMessage::new("q.a", "before").with_id("m1"),
+            OutboundMessage::new("nowhere.at.all", "lost").with_id("m2"),
+            OutboundMessage::new("q.a", "after").with_id("m3"),
+        ]
+        .into();
+        let outcome = match b.publish_pipelined_batch(mixed).await {
+            Ok(stored) => stored.await,
+            Err(e) => Err(e),
+        };
+        assert!(matches!(outcome, Err(BrokerError::NoStream { .. })), "{outcome:?}");
+        let state = b.stream_state("Q").await.expect("state");
+        assert_eq!(state.last_seq, 102, "both good messages of the mixed batch are stored");
+    }
+
+    pub async fn headers_nats_cannot_carry_are_refused(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let line_break = OutboundMessage::new("q.a", "x").with_header("Flotilla-Key", "a\r\nInjected: yes");
+        match b.publish(line_break.clone()).await {
+            Err(BrokerError::InvalidHeader { name, .. }) => assert_eq!(name, "Flotilla-Key"),
+            other => panic!("a value with a line break must be refused, got {other:?}"),
+        }
+        let batch: std::sync::Arc<[OutboundMessage]> = vec![line_break].into();
+        let outcome = match b.publish_pipelined_batch(batch).await {
+            Ok(stored) => stored.await,
+            Err(e) => Err(e),
+        };
+        assert!(matches!(outcome, Err(BrokerError::InvalidHeader { .. })), "{outcome:?}");
+        let bad_name = OutboundMessage::new("q.a", "x").with_header("Bad Name:", "v".to_owned());
+        assert!(matches!(b.publish(bad_name).await, Err(BrokerError::InvalidHeader { .. })));
+        let core = CoreMessage {
+            subject: "core.x".into(),
+            reply: None,
+            headers: flotilla_transport::wire::Headers::new().with("X", "a\nb"),
+            payload: Bytes::new(),
+        };
+        assert!(matches!(b.core_publish(core).await, Err(BrokerError::InvalidHeader { .. })));
+        assert_eq!(b.stream_state("Q").await.expect("state").messages, 0, "nothing was stored");
+        // The connection is still fine.
+        b.publish(OutboundMessage::new("q.a", "ok")).await.expect("publish after the refusals");
     }
 
     pub async fn publish_expectation_is_checked(b: SharedBroker) {

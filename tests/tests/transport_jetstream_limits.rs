@@ -70,7 +70,17 @@ async fn more_pipelined_publishes_than_the_ack_window_complete() {
     for p in pending {
         p.await.expect("stored");
     }
-    assert_eq!(broker.stream_state("P").await.expect("state").messages, 400);
+    // One pipelined batch of 200 through the window of 16: queueing takes in the acks
+    // that arrive meanwhile, so it cannot wait forever for a permit.
+    let batch: std::sync::Arc<[_]> = (0..200)
+        .map(|i| flotilla_transport::broker::OutboundMessage::new(format!("p.b{i}"), Bytes::from("z")))
+        .collect();
+    let stored = tokio::time::timeout(Duration::from_secs(20), broker.publish_pipelined_batch(batch))
+        .await
+        .expect("a batch larger than the ack window is queued")
+        .expect("queued");
+    tokio::time::timeout(Duration::from_secs(20), stored).await.expect("acked in time").expect("stored");
+    assert_eq!(broker.stream_state("P").await.expect("state").messages, 600);
 }
 
 /// A partition's new owner resets its consumer (delete, then create at the committed

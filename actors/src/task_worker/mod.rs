@@ -96,7 +96,8 @@ struct Envelope {
 /// Outputs waiting to be published, and what they belong to.
 struct Flush {
     target: FlushTarget,
-    msgs: Vec<flotilla_transport::broker::OutboundMessage>,
+    /// Shared with the broker while it publishes them, kept for a retry.
+    msgs: std::sync::Arc<[flotilla_transport::broker::OutboundMessage]>,
     /// Publishes retried because the broker was unreachable.
     attempt: u32,
 }
@@ -471,7 +472,7 @@ impl<T: Task> TaskWorker<T> {
 
     /// Publishes the message's outputs; it finishes once they are stored.
     fn await_effects(&mut self, order: u64, outputs: Outputs, ctx: &mut Context<Self>) {
-        let msgs = outputs.take_buffer();
+        let msgs = outputs.take_buffer().into();
         self.flush(Flush { target: FlushTarget::Message(order), msgs, attempt: 0 }, ctx);
     }
 
@@ -497,29 +498,25 @@ impl<T: Task> TaskWorker<T> {
         }
         let Some(flush) = self.publish_queue.pop_front() else { return };
         self.publishing = true;
-        let broker = self.env.broker.clone();
-        let msgs = flush.msgs.clone();
-        let queued = async move {
-            let mut pending = Vec::with_capacity(msgs.len());
-            for msg in msgs {
-                match broker.publish_pipelined(msg).await {
-                    Ok(p) => pending.push(p),
-                    Err(e) => return (pending, Some(e)),
-                }
-            }
-            (pending, None)
-        };
-        ctx.spawn(queued.into_actor(self).map(move |(pending, queue_error), act, ctx| {
+        let queued = self.env.broker.publish_pipelined_batch(flush.msgs.clone());
+        ctx.spawn(queued.into_actor(self).map(move |queued, act, ctx| {
             act.publishing = false;
             act.pump_publish(ctx);
-            let acks = futures::future::join_all(pending);
-            ctx.spawn(acks.into_actor(act).map(move |results, act, ctx| {
-                match queue_error.or_else(|| results.into_iter().find_map(Result::err)) {
-                    None => act.flushed(flush.target, ctx),
-                    Some(err) => act.flush_failed(flush, err, ctx),
+            match queued {
+                Ok(stored) => {
+                    ctx.spawn(stored.into_actor(act).map(move |stored, act, ctx| {
+                        match stored {
+                            Ok(()) => act.flushed(flush.target, ctx),
+                            Err(err) => act.flush_failed(flush, err, ctx),
+                        }
+                        act.drive(ctx);
+                    }));
                 }
-                act.drive(ctx);
-            }));
+                Err(err) => {
+                    act.flush_failed(flush, err, ctx);
+                    act.drive(ctx);
+                }
+            }
         }));
     }
 
@@ -722,7 +719,7 @@ impl<T: Task> TaskWorker<T> {
                 act.fail(reason, ctx);
                 return;
             }
-            let msgs = tctx.outputs_handle().take_buffer();
+            let msgs = tctx.outputs_handle().take_buffer().into();
             act.flush(Flush { target: FlushTarget::Hook(kind), msgs, attempt: 0 }, ctx);
             act.drive(ctx);
         }));

@@ -129,6 +129,18 @@ pub enum BrokerError {
         /// The server's limit.
         limit: usize,
     },
+    /// A header NATS cannot carry: a name that is not printable ASCII or holds `:`, or
+    /// a value with a line break.
+    #[error(
+        "header {name:?} cannot be sent: {reason} (names are printable ASCII without ':', \
+         values have no CR or LF)"
+    )]
+    InvalidHeader {
+        /// The header's name.
+        name: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// A name broke the naming rule.
     #[error(transparent)]
     Name(#[from] NameError),

@@ -41,6 +41,9 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 pub type BoxStream<T> = Pin<Box<dyn futures::Stream<Item = T> + Send + 'static>>;
 /// A publish on its way: resolves with the broker's ack.
 pub type PendingPublish = BoxFuture<BrokerResult<PublishAck>>;
+/// A batch of publishes on its way: resolves once every message is stored, or with the
+/// first error.
+pub type PendingBatch = BoxFuture<BrokerResult<()>>;
 /// The broker as the rest of Flotilla holds it.
 pub type SharedBroker = Arc<dyn Broker>;
 /// Result of a broker operation.
@@ -127,6 +130,34 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// The outer result fails when the publish could not be queued; the inner future
     /// as [`publish`](Self::publish).
     fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PendingPublish>>;
+
+    /// Queues `msgs` in order and resolves once all are sent (batches queued by
+    /// successive calls go out in call order), with a future that resolves once every
+    /// message is stored, or with the first error. This is the hot path of a worker's
+    /// outputs: one call per batch, and acks that arrive while the batch is still being
+    /// queued are taken in as it goes, so a batch larger than the broker's ack window
+    /// cannot wait forever for a permit.
+    ///
+    /// # Errors
+    /// The outer result fails when a message could not be queued (those before it may
+    /// have been stored: publish the batch again, its ids deduplicate); the inner
+    /// future as [`publish`](Self::publish), for the first message that failed.
+    fn publish_pipelined_batch(&self, msgs: Arc<[OutboundMessage]>) -> BoxFuture<BrokerResult<PendingBatch>> {
+        let queued: Vec<_> = msgs.iter().map(|m| self.publish_pipelined(m.clone())).collect();
+        Box::pin(async move {
+            let mut pending = Vec::with_capacity(queued.len());
+            for q in queued {
+                pending.push(q.await?);
+            }
+            let stored: PendingBatch = Box::pin(async move {
+                for p in pending {
+                    p.await?;
+                }
+                Ok(())
+            });
+            Ok(stored)
+        })
+    }
 
     /// Publishes many messages pipelined (all sent before any ack is awaited, in order)
     /// and resolves with one result per message, in order.

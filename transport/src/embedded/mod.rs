@@ -35,6 +35,14 @@ use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
+/// Refuses headers a NATS server could not carry, as the JetStream backend does.
+fn check_headers(headers: &crate::wire::Headers) -> BrokerResult<()> {
+    match headers.invalid_entry() {
+        None => Ok(()),
+        Some((name, reason)) => Err(BrokerError::InvalidHeader { name: name.to_owned(), reason }),
+    }
+}
+
 /// The in-process broker. Clone it to give several nodes the same broker.
 #[derive(Clone)]
 pub struct EmbeddedBroker {
@@ -127,6 +135,7 @@ impl Inner {
         if size > self.max_payload {
             return Err(BrokerError::PayloadTooLarge { size, limit: self.max_payload });
         }
+        check_headers(&msg.headers)?;
         let mut st = self.lock();
         let Some(name) = st.route(&msg.subject) else {
             return Err(BrokerError::NoStream { subject: msg.subject });
@@ -310,6 +319,22 @@ impl Broker for EmbeddedBroker {
     fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<crate::broker::PendingPublish>> {
         let ack = self.inner.publish_now(msg);
         ready(Ok(Box::pin(std::future::ready(ack)) as crate::broker::PendingPublish))
+    }
+
+    fn publish_pipelined_batch(
+        &self,
+        msgs: Arc<[OutboundMessage]>,
+    ) -> BoxFuture<BrokerResult<crate::broker::PendingBatch>> {
+        // As on JetStream, every message is tried and the first refusal is reported.
+        let mut stored = Ok(());
+        for m in msgs.iter() {
+            if let Err(e) = self.inner.publish_now(m.clone())
+                && stored.is_ok()
+            {
+                stored = Err(e);
+            }
+        }
+        ready(Ok(Box::pin(std::future::ready(stored)) as crate::broker::PendingBatch))
     }
 
     fn publish_batch(&self, msgs: Vec<OutboundMessage>) -> BoxFuture<Vec<BrokerResult<PublishAck>>> {
@@ -507,6 +532,9 @@ impl Broker for EmbeddedBroker {
     }
 
     fn core_publish(&self, msg: CoreMessage) -> BoxFuture<BrokerResult<()>> {
+        if let Err(e) = check_headers(&msg.headers) {
+            return ready(Err(e));
+        }
         let mut st = self.inner.lock();
         st.deliver_core(&msg);
         // Streams capture core publishes on their subjects, as in JetStream.

@@ -19,8 +19,8 @@
 use crate::broker::{
     AckKind, AckPolicy, AckToken, AckTokenInner, BoxFuture, BoxStream, Broker, BrokerError, BrokerKind, BrokerResult,
     ConnectionEvent, ConsumerSpec, ConsumerState, CoreMessage, Delivery, DeliveryInfo, Discard, KvEntry, KvOperation,
-    KvSpec, OutboundMessage, PublishAck, Retention, ServerInfo, Storage, StoredMessage, StreamSpec, StreamState,
-    Version, compare,
+    KvSpec, OutboundMessage, PendingBatch, PublishAck, Retention, ServerInfo, Storage, StoredMessage, StreamSpec,
+    StreamState, Version, compare,
 };
 use crate::wire::Headers;
 use async_nats::jetstream::{self, consumer::PullConsumer, context::PublishErrorKind, stream};
@@ -28,8 +28,13 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use futures::{StreamExt, TryStreamExt};
 use rand::Rng;
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::future::IntoFuture;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, SystemTime};
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
@@ -82,6 +87,10 @@ impl JetStreamOptions {
         }
     }
 }
+
+/// A publish ack as async-nats hands it out (it must be polled, or dropped, for its
+/// ack permit to come back).
+type AckFuture = <jetstream::context::PublishAckFuture as IntoFuture>::IntoFuture;
 
 /// A publish ack on its way, driven by its own task.
 type AckWait = std::pin::Pin<
@@ -362,12 +371,37 @@ fn stream_state(info: &stream::Info) -> StreamState {
     }
 }
 
-fn to_header_map(headers: &Headers) -> async_nats::HeaderMap {
+/// The headers as async-nats carries them. Refuses (instead of letting async-nats
+/// panic on) a name or value NATS cannot carry; names given as `&'static str` (all of
+/// Flotilla's own) are not copied.
+fn to_header_map(headers: &Headers) -> BrokerResult<async_nats::HeaderMap> {
+    let invalid = |name: &str, reason| BrokerError::InvalidHeader { name: name.to_owned(), reason };
+    let entries = headers.entries();
     let mut map = async_nats::HeaderMap::new();
-    for (name, value) in headers.iter() {
-        map.append(name, value);
+    for (i, (name, value)) in entries.iter().enumerate() {
+        let value =
+            async_nats::HeaderValue::from_str(value).map_err(|_| invalid(name, "the value has a line break"))?;
+        if !valid_header_name(name) {
+            return Err(invalid(name, "the name is empty or has a character other than printable ASCII, or ':'"));
+        }
+        let header = match name {
+            Cow::Borrowed(n) => async_nats::HeaderName::from_static(n),
+            Cow::Owned(n) => async_nats::HeaderName::from_str(n).map_err(|_| invalid(n, "not a header name"))?,
+        };
+        // A name seen before gets one more value; a new one is inserted (one hash
+        // lookup instead of two: this runs for every header of every output).
+        if entries[..i].iter().any(|(earlier, _)| earlier == name) {
+            map.append(header, value);
+        } else {
+            map.insert(header, value);
+        }
     }
-    map
+    Ok(map)
+}
+
+/// What async-nats accepts as a header name (it panics on anything else).
+fn valid_header_name(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
 fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
@@ -559,18 +593,24 @@ impl Inner {
         }
     }
 
-    async fn publish_enqueue(&self, msg: OutboundMessage) -> BrokerResult<(String, Option<u64>, AckWait)> {
-        let OutboundMessage { subject, headers, payload, expected_last_subject_seq } = msg;
-        if payload.len() > self.info.max_payload {
-            return Err(BrokerError::PayloadTooLarge { size: payload.len(), limit: self.info.max_payload });
+    /// `msg` as async-nats publishes it.
+    fn publish_message(&self, msg: &OutboundMessage) -> BrokerResult<jetstream::message::PublishMessage> {
+        if msg.payload.len() > self.info.max_payload {
+            return Err(BrokerError::PayloadTooLarge { size: msg.payload.len(), limit: self.info.max_payload });
         }
-        let mut pm = jetstream::message::PublishMessage::build().payload(payload);
-        if !headers.is_empty() {
-            pm = pm.headers(to_header_map(&headers));
+        let mut pm = jetstream::message::PublishMessage::build().payload(msg.payload.clone());
+        if !msg.headers.is_empty() {
+            pm = pm.headers(to_header_map(&msg.headers)?);
         }
-        if let Some(seq) = expected_last_subject_seq {
+        if let Some(seq) = msg.expected_last_subject_seq {
             pm = pm.expected_last_subject_sequence(seq);
         }
+        Ok(pm)
+    }
+
+    async fn publish_enqueue(&self, msg: OutboundMessage) -> BrokerResult<(String, Option<u64>, AckWait)> {
+        let pm = self.publish_message(&msg)?;
+        let OutboundMessage { subject, expected_last_subject_seq, .. } = msg;
         match self.js.send_publish(subject.clone(), pm).await {
             // async-nats keeps a publish-ack permit until the ack future is polled to
             // completion: drive it from its own task at once, or a caller that queues
@@ -795,6 +835,65 @@ impl Broker for JetStreamBroker {
                 Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
             });
             Ok(pending)
+        })
+    }
+
+    fn publish_pipelined_batch(&self, msgs: Arc<[OutboundMessage]>) -> BoxFuture<BrokerResult<PendingBatch>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            // The ack futures in send order. Only the oldest is polled, as a plain
+            // pipelined publisher would await them: acks arrive in order, and one waker
+            // per batch instead of one task per publish.
+            let mut acks: VecDeque<(usize, AckFuture)> = VecDeque::with_capacity(msgs.len());
+            let timeout = inner.request_timeout;
+            let refused = move |msgs: &[OutboundMessage], i: usize, e| {
+                let m = &msgs[i];
+                publish_error(&m.subject, e, m.expected_last_subject_seq, timeout)
+            };
+            // As on the embedded broker, every message is tried; the first refusal is
+            // what the batch reports.
+            let mut first_refusal: Option<BrokerError> = None;
+            for (i, msg) in msgs.iter().enumerate() {
+                let pm = inner.publish_message(msg)?;
+                let mut send = std::pin::pin!(inner.js.send_publish(msg.subject.clone(), pm));
+                // send_publish waits for an ack permit once `max_ack_inflight` publishes
+                // are out: take in the acks that arrived meanwhile, which frees them.
+                let sent = std::future::poll_fn(|cx| {
+                    if let Poll::Ready(sent) = send.as_mut().poll(cx) {
+                        return Poll::Ready(sent);
+                    }
+                    while let Some((j, oldest)) = acks.front_mut() {
+                        match oldest.as_mut().poll(cx) {
+                            Poll::Ready(ack) => {
+                                if let Err(e) = ack
+                                    && first_refusal.is_none()
+                                {
+                                    first_refusal = Some(refused(&msgs, *j, e));
+                                }
+                                acks.pop_front();
+                            }
+                            Poll::Pending => break,
+                        }
+                    }
+                    Poll::Pending
+                })
+                .await;
+                match sent {
+                    Ok(ack) => acks.push_back((i, ack.into_future())),
+                    Err(e) => return Err(refused(&msgs, i, e)),
+                }
+            }
+            let stored: PendingBatch = Box::pin(async move {
+                for (i, ack) in acks {
+                    if let Err(e) = ack.await
+                        && first_refusal.is_none()
+                    {
+                        first_refusal = Some(refused(&msgs, i, e));
+                    }
+                }
+                first_refusal.map_or(Ok(()), Err)
+            });
+            Ok(stored)
         })
     }
 
@@ -1100,10 +1199,10 @@ impl Broker for JetStreamBroker {
                 Some(r) => {
                     inner
                         .client
-                        .publish_with_reply_and_headers(subject.clone(), r, to_header_map(&headers), payload)
+                        .publish_with_reply_and_headers(subject.clone(), r, to_header_map(&headers)?, payload)
                         .await
                 }
-                None => inner.client.publish_with_headers(subject.clone(), to_header_map(&headers), payload).await,
+                None => inner.client.publish_with_headers(subject.clone(), to_header_map(&headers)?, payload).await,
             };
             res.map_err(|e| BrokerError::Disconnected { operation: op(), reason: e.to_string() })
         })
@@ -1131,7 +1230,7 @@ impl Broker for JetStreamBroker {
             let subject = msg.subject.clone();
             let req = async_nats::Request::new()
                 .payload(msg.payload)
-                .headers(to_header_map(&msg.headers))
+                .headers(to_header_map(&msg.headers)?)
                 .timeout(Some(timeout));
             inner.client.send_request(subject.clone(), req).await.map(core_from).map_err(|e| match e.kind() {
                 async_nats::RequestErrorKind::NoResponders => BrokerError::NoResponders { subject },

@@ -160,6 +160,34 @@ impl Headers {
     pub fn msg_id(&self) -> Option<&str> {
         self.get(MSG_ID)
     }
+
+    /// The first entry NATS cannot carry, with what is wrong with it: a name must be
+    /// printable ASCII without `:`, a value must not hold CR or LF.
+    pub fn invalid_entry(&self) -> Option<(&str, &'static str)> {
+        self.entries.iter().find_map(|(name, value)| {
+            if name.is_empty() {
+                Some((&**name, "the name is empty"))
+            } else if name.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
+                Some((&**name, "the name has a character other than printable ASCII, or ':'"))
+            } else if value.bytes().any(|b| b == b'\r' || b == b'\n') {
+                Some((&**name, "the value has a line break"))
+            } else {
+                None
+            }
+        })
+    }
+
+    /// The entries, names as given (borrowed names are `'static`).
+    pub(crate) fn entries(&self) -> &[(Cow<'static, str>, String)] {
+        &self.entries
+    }
+}
+
+impl From<Vec<(Cow<'static, str>, String)>> for Headers {
+    /// The entries as given, in order (no check for repeated names).
+    fn from(entries: Vec<(Cow<'static, str>, String)>) -> Self {
+        Self { entries: Arc::new(entries) }
+    }
 }
 
 impl<N: Into<Cow<'static, str>>, V: Into<String>> FromIterator<(N, V)> for Headers {
@@ -181,6 +209,17 @@ mod tests {
         assert_eq!(h.len(), 3);
         h.remove(KEY);
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn entries_nats_cannot_carry_are_named() {
+        assert_eq!(Headers::new().with(KEY, "a b").with("X-Ok", "").invalid_entry(), None);
+        assert_eq!(Headers::new().with(KEY, "a\nb").invalid_entry().map(|e| e.0), Some(KEY));
+        assert_eq!(Headers::new().with(KEY, "a\rb").invalid_entry().map(|e| e.0), Some(KEY));
+        assert!(Headers::new().with("Bad:Name", "v").invalid_entry().is_some());
+        assert!(Headers::new().with("Bad Name", "v").invalid_entry().is_some());
+        assert!(Headers::new().with("", "v").invalid_entry().is_some());
+        assert!(Headers::new().with("Näme", "v").invalid_entry().is_some());
     }
 
     #[test]
