@@ -20,7 +20,7 @@ use flotilla::prelude::*;
 use futures::StreamExt;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::oneshot;
 
 /// Settings shared by both sides of every JetStream pair.
@@ -182,8 +182,18 @@ async fn raw_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
     Ok(r)
 }
 
+/// Which headers the raw publisher sends.
+#[derive(Clone, Copy)]
+enum RawHeaders {
+    /// An id and a key, what a plain producer sends.
+    Plain,
+    /// The six headers a Flotilla output carries (wire format §3), with values of the
+    /// same length: this separates the cost of the wire format from the runtime's.
+    AsFlotilla,
+}
+
 /// Raw pipelined publish: `count` messages, `window` acks outstanding at most.
-async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
+async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes, headers: RawHeaders) -> anyhow::Result<Measured> {
     let (_client, js) = raw_context(&s.url, s.window).await?;
     js.create_stream(stream_config(
         format!("FLOTILLA_{job}_out"),
@@ -206,8 +216,24 @@ async fn raw_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Res
             oldest.await?;
         }
         let mut h = HeaderMap::new();
-        h.insert("Nats-Msg-Id", format!("{job}-{i}").as_str());
-        h.insert("Flotilla-Key", i.to_string().as_str());
+        match headers {
+            RawHeaders::Plain => {
+                h.insert("Nats-Msg-Id", format!("{job}-{i}").as_str());
+                h.insert("Flotilla-Key", i.to_string().as_str());
+            }
+            RawHeaders::AsFlotilla => {
+                // A UUID-long id and cause, as Flotilla's derived ids are.
+                h.insert("Nats-Msg-Id", format!("00000000-0000-5000-8000-{i:012}").as_str());
+                h.insert("Flotilla-Key", i.to_string().as_str());
+                h.insert("Flotilla-Type", "Blob");
+                h.insert(
+                    "Flotilla-Sent",
+                    flotilla::transport::clock::unix_millis(SystemTime::now()).to_string().as_str(),
+                );
+                h.insert("Flotilla-Epoch", "0");
+                h.insert("Flotilla-Cause", format!("00000000-0000-7000-8000-{:012}", i / s.fanout.max(1)).as_str());
+            }
+        }
         acks.push_back(js.publish_with_headers(subject.clone(), h, body.clone()).await?);
     }
     for a in acks {
@@ -506,13 +532,22 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
             &format!("pipelined publish, {} acks outstanding", s.window),
             ">= 0.8x",
         );
+        let mut same_headers = Pair::new(
+            &format!("publish via ctx.send ({} per input), raw with Flotilla's 6 headers", s.fanout),
+            &format!("pipelined publish, {} acks outstanding, the headers of a Flotilla output", s.window),
+            "none: it shows the wire format's share of the gap",
+        );
         for round in 0..s.rounds {
-            let raw = raw_publish_round(s, &format!("rp{round}"), &body).await?;
+            let raw = raw_publish_round(s, &format!("rp{round}"), &body, RawHeaders::Plain).await?;
+            let raw_same = raw_publish_round(s, &format!("rh{round}"), &body, RawHeaders::AsFlotilla).await?;
             let flotilla = flotilla_publish_round(s, &format!("fp{round}"), &body).await?;
             p.push(raw, flotilla);
+            same_headers.push(raw_same, flotilla);
             progress_line(&p, round);
+            progress_line(&same_headers, round);
         }
         pairs.push(p);
+        pairs.push(same_headers);
     }
     if only("latency") {
         let mut p = Pair::new(
