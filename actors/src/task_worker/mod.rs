@@ -472,8 +472,13 @@ impl<T: Task> TaskWorker<T> {
 
     /// Publishes the message's outputs; it finishes once they are stored.
     fn await_effects(&mut self, order: u64, outputs: Outputs, ctx: &mut Context<Self>) {
-        let msgs = outputs.take_buffer().into();
-        self.flush(Flush { target: FlushTarget::Message(order), msgs, attempt: 0 }, ctx);
+        let msgs = outputs.take_buffer();
+        if msgs.is_empty() {
+            // Nothing to publish (most messages of most tasks): no batch to build.
+            self.flushed(FlushTarget::Message(order), ctx);
+            return;
+        }
+        self.flush(Flush { target: FlushTarget::Message(order), msgs: msgs.into(), attempt: 0 }, ctx);
     }
 
     /// Queues outputs for publishing. Batches are sent one after the other, in the order

@@ -405,12 +405,18 @@ fn valid_header_name(name: &str) -> bool {
 }
 
 fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
-    map.map(|map| {
-        map.iter()
-            .flat_map(|(name, values)| values.iter().map(move |v| (AsRef::<str>::as_ref(name).to_owned(), v.as_str())))
-            .collect()
-    })
-    .unwrap_or_default()
+    let Some(map) = map else { return Headers::new() };
+    let mut entries = Vec::with_capacity(map.len());
+    for (name, values) in map.iter() {
+        let name: &str = name.as_ref();
+        // Flotilla's own names (most of what arrives) are not copied.
+        let name = match crate::wire::headers::known(name) {
+            Some(known) => Cow::Borrowed(known),
+            None => Cow::Owned(name.to_owned()),
+        };
+        entries.extend(values.iter().map(|v| (name.clone(), v.as_str().to_owned())));
+    }
+    Headers::from(entries)
 }
 
 fn js_code<E: std::fmt::Display>(err: &E) -> Option<u64> {
@@ -634,26 +640,43 @@ impl Inner {
     /// A pulled message as a delivery. `names` keeps the last stream and consumer name,
     /// so the messages of one claim share them instead of allocating their own.
     fn delivery(msg: jetstream::Message, names: &mut Option<(Arc<str>, Arc<str>)>) -> Option<Delivery> {
-        let info = match msg.info() {
-            Ok(info) => {
-                let (stream, consumer) = shared_name(names, info.stream, info.consumer);
+        let reply = msg.message.reply.clone()?;
+        // The common reply form is parsed here, without async-nats' per-token
+        // iterator and date conversion (this runs for every delivery); any other form
+        // goes through async-nats.
+        let info = match parse_ack_subject(reply.as_str()) {
+            Some(a) => {
+                let (stream, consumer) = shared_name(names, a.stream, a.consumer);
                 DeliveryInfo {
                     stream,
                     consumer,
-                    stream_seq: info.stream_sequence,
-                    consumer_seq: info.consumer_sequence,
-                    delivered: info.delivered.max(0) as u64,
-                    pending: info.pending,
-                    published: SystemTime::from(info.published),
+                    stream_seq: a.stream_seq,
+                    consumer_seq: a.consumer_seq,
+                    delivered: a.delivered,
+                    pending: a.pending,
+                    published: SystemTime::UNIX_EPOCH + Duration::from_nanos(a.timestamp_ns),
                 }
             }
-            Err(e) => {
-                warn!(error = %e, subject = %msg.subject, "pulled message without JetStream metadata; skipped");
-                return None;
-            }
+            None => match msg.info() {
+                Ok(info) => {
+                    let (stream, consumer) = shared_name(names, info.stream, info.consumer);
+                    DeliveryInfo {
+                        stream,
+                        consumer,
+                        stream_seq: info.stream_sequence,
+                        consumer_seq: info.consumer_sequence,
+                        delivered: info.delivered.max(0) as u64,
+                        pending: info.pending,
+                        published: SystemTime::from(info.published),
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, subject = %msg.subject, "pulled message without JetStream metadata; skipped");
+                    return None;
+                }
+            },
         };
         let message = msg.message;
-        let reply = message.reply.clone()?;
         Some(Delivery {
             subject: message.subject.to_string(),
             headers: from_header_map(message.headers.as_ref()),
@@ -662,6 +685,41 @@ impl Inner {
             token: AckToken(AckTokenInner::Reply(reply)),
         })
     }
+}
+
+/// The metadata a JetStream delivery's reply subject carries.
+#[derive(Debug, PartialEq, Eq)]
+struct AckSubject<'a> {
+    stream: &'a str,
+    consumer: &'a str,
+    delivered: u64,
+    stream_seq: u64,
+    consumer_seq: u64,
+    timestamp_ns: u64,
+    pending: u64,
+}
+
+/// Parses `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`,
+/// the form nats-server 2.9 and later send without a domain; `None` for anything else.
+fn parse_ack_subject(subject: &str) -> Option<AckSubject<'_>> {
+    let rest = subject.strip_prefix("$JS.ACK.")?;
+    let mut tokens = rest.split('.');
+    let (stream, consumer) = (tokens.next()?, tokens.next()?);
+    let mut number = || tokens.next()?.parse::<u64>().ok();
+    let parsed = AckSubject {
+        stream,
+        consumer,
+        delivered: number()?,
+        stream_seq: number()?,
+        consumer_seq: number()?,
+        timestamp_ns: number()?,
+        pending: number()?,
+    };
+    // More tokens: the domain-qualified form, left to async-nats.
+    if tokens.next().is_some() || stream.is_empty() || consumer.is_empty() {
+        return None;
+    }
+    Some(parsed)
 }
 
 /// The shared (stream, consumer) names, replaced when a message names others.
@@ -1271,6 +1329,28 @@ fn kv_entry(bucket: &str, e: jetstream::kv::Entry) -> KvEntry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ack_subjects_parse_like_async_nats() {
+        let got = parse_ack_subject("$JS.ACK.FLOTILLA_j_in.in-p3.2.1041.17.1764770000123456789.55").expect("parsed");
+        assert_eq!(
+            got,
+            AckSubject {
+                stream: "FLOTILLA_j_in",
+                consumer: "in-p3",
+                delivered: 2,
+                stream_seq: 1041,
+                consumer_seq: 17,
+                timestamp_ns: 1_764_770_000_123_456_789,
+                pending: 55,
+            }
+        );
+        // The domain form (12 tokens) and anything malformed go to async-nats.
+        assert_eq!(parse_ack_subject("$JS.ACK.dom.acc.S.C.1.2.3.4.5.rand"), None);
+        assert_eq!(parse_ack_subject("$JS.ACK.S.C.1.2.3.4"), None);
+        assert_eq!(parse_ack_subject("$JS.ACK.S.C.1.x.3.4.5"), None);
+        assert_eq!(parse_ack_subject("_INBOX.abc"), None);
+    }
 
     #[test]
     fn reconnect_delay_is_capped_and_jittered() {

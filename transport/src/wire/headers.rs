@@ -44,6 +44,34 @@ pub const DLQ_SEQ: &str = "Flotilla-Dlq-Seq";
 /// How many times the message had been delivered, decimal.
 pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 
+/// Every header name above.
+const KNOWN: [&str; 18] = [
+    MSG_ID,
+    KEY,
+    KIND,
+    RUN,
+    TYPE,
+    SENT,
+    CAUSE,
+    EPOCH,
+    TRACEPARENT,
+    WIRE,
+    DELAY,
+    TARGET,
+    DLQ_REASON,
+    DLQ_DETAIL,
+    DLQ_STREAM,
+    DLQ_SUBJECT,
+    DLQ_SEQ,
+    DLQ_DELIVERIES,
+];
+
+/// `name` as one of the constants of this module when it is one (same spelling), so a
+/// received header can name it without a copy.
+pub fn known(name: &str) -> Option<&'static str> {
+    KNOWN.iter().copied().find(|k| *k == name)
+}
+
 /// What a message is, from its [`KIND`] header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MessageKind {
@@ -209,6 +237,14 @@ mod tests {
         assert_eq!(h.len(), 3);
         h.remove(KEY);
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn known_names_are_the_constants() {
+        assert_eq!(known("Nats-Msg-Id"), Some(MSG_ID));
+        assert_eq!(known("Flotilla-Dlq-Deliveries"), Some(DLQ_DELIVERIES));
+        assert_eq!(known("nats-msg-id"), None, "another spelling is kept as sent");
+        assert_eq!(known("X-Custom"), None);
     }
 
     #[test]
