@@ -678,7 +678,7 @@ impl Inner {
         };
         let message = msg.message;
         Some(Delivery {
-            subject: message.subject.to_string(),
+            subject: String::from(message.subject.as_str()),
             headers: from_header_map(message.headers.as_ref()),
             payload: message.payload,
             info,
@@ -702,10 +702,23 @@ struct AckSubject<'a> {
 /// Parses `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`,
 /// the form nats-server 2.9 and later send without a domain; `None` for anything else.
 fn parse_ack_subject(subject: &str) -> Option<AckSubject<'_>> {
-    let rest = subject.strip_prefix("$JS.ACK.")?;
-    let mut tokens = rest.split('.');
-    let (stream, consumer) = (tokens.next()?, tokens.next()?);
-    let mut number = || tokens.next()?.parse::<u64>().ok();
+    let mut rest = Some(subject.strip_prefix("$JS.ACK.")?);
+    // Tokens by `find` (memchr), not `split`: this runs for every delivery.
+    let mut token = || {
+        let r = rest?;
+        Some(match r.find('.') {
+            Some(at) => {
+                rest = Some(&r[at + 1..]);
+                &r[..at]
+            }
+            None => {
+                rest = None;
+                r
+            }
+        })
+    };
+    let (stream, consumer) = (token()?, token()?);
+    let mut number = || token()?.parse::<u64>().ok();
     let parsed = AckSubject {
         stream,
         consumer,
@@ -716,7 +729,7 @@ fn parse_ack_subject(subject: &str) -> Option<AckSubject<'_>> {
         pending: number()?,
     };
     // More tokens: the domain-qualified form, left to async-nats.
-    if tokens.next().is_some() || stream.is_empty() || consumer.is_empty() {
+    if rest.is_some() || stream.is_empty() || consumer.is_empty() {
         return None;
     }
     Some(parsed)
