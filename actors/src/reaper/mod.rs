@@ -155,9 +155,15 @@ impl Handler<AcquireLease> for Reaper {
             if let Some(spec) = msg.consumer
                 && let Err(e) = flotilla_transport::topology::take_over_partition(&broker, &msg.js_stream, spec).await
             {
-                // Keep the lease: the worker resumes wherever the consumer is, and
-                // redeliveries after ack-wait cover what a dead owner left.
-                tracing::warn!(key = %msg.key, error = %e, "could not reset the partition's consumer after acquiring it");
+                // Give the lease back rather than run the partition from wherever its
+                // consumer is now: one re-created by a node provisioning meanwhile
+                // starts at sequence 1, and would process the partition again. The
+                // next acquisition (here or elsewhere) tries the reset again.
+                tracing::warn!(key = %msg.key, error = %e, "could not reset the partition's consumer after acquiring it; giving the lease back");
+                if let Err(d) = broker.kv_delete(&msg.bucket, &msg.key, Some(revision)).await {
+                    tracing::warn!(key = %msg.key, error = %d, "could not give the lease back; it expires after its TTL");
+                }
+                return Err(e);
             }
             Ok(Some(revision))
         })
@@ -181,5 +187,45 @@ impl Handler<Tidy> for Reaper {
             }
             Ok(removed)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_transport::broker::{ConsumerSpec, KvSpec};
+    use flotilla_transport::wire::JobName;
+
+    /// A lease whose partition cannot be reset is given back, not kept: running the
+    /// partition from wherever its consumer happens to be could process it again.
+    #[actix_rt::test]
+    async fn a_lease_whose_reset_fails_is_given_back() {
+        let broker = flotilla_transport::EmbeddedBroker::new().shared();
+        broker.ensure_kv(KvSpec::new("LEASES", None)).await.expect("bucket");
+        let subjects = Subjects::new(JobName::new("j").expect("name"));
+        let reaper = Reaper::new(broker.clone(), subjects).start();
+        let acquire = |js_stream: &str| AcquireLease {
+            bucket: "LEASES".into(),
+            key: "in.0".into(),
+            value: bytes::Bytes::from_static(b"node-a"),
+            js_stream: js_stream.into(),
+            consumer: Some(ConsumerSpec::new("in-p0")),
+        };
+        // The stream does not exist, so the reset fails.
+        let got = reaper.send(acquire("FLOTILLA_j_missing")).await.expect("reaper answers");
+        assert!(got.is_err(), "{got:?}");
+        assert_eq!(broker.kv_get("LEASES", "in.0").await.expect("read"), None, "the lease was given back");
+        // Once the partition can be reset, the lease is taken.
+        broker
+            .ensure_stream(flotilla_transport::broker::StreamSpec::new(
+                "FLOTILLA_j_in",
+                vec!["flotilla.j.in.*".into()],
+                flotilla_transport::broker::Retention::Limits,
+            ))
+            .await
+            .expect("stream");
+        broker.ensure_consumer("FLOTILLA_j_in", ConsumerSpec::new("in-p0")).await.expect("consumer");
+        let got = reaper.send(acquire("FLOTILLA_j_in")).await.expect("reaper answers");
+        assert!(matches!(got, Ok(Some(_))), "{got:?}");
     }
 }
