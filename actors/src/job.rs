@@ -420,6 +420,9 @@ impl Job {
         // could take messages from the next owner's consumer.
         let mut this = self;
         this.container.claim_wait = this.container.claim_wait.min(config.lease_ttl / 4);
+        // A released partition is handed over only once its claim is back: idle
+        // partitions must not wait longer than busy ones.
+        this.container.idle_claim_wait = this.container.claim_wait;
         let subjects = Subjects::new(JobName::new(this.name.clone())?);
         let b = Buckets::new(&subjects);
         for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
