@@ -195,7 +195,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(m) = &memory {
         for probe in m {
             println!(
-                "memory, {:<8} {:>6} idle: {:>7.2} KiB each (RSS {} → {} KiB), started in {} ms, idle CPU {:.1}% of a core{}",
+                "memory, {:<8} {:>6} idle: {:>7.2} KiB each (RSS {} → {} KiB), started in {} ms, idle CPU {:.1}% of a core (then {:.1}%){}",
                 probe.what,
                 probe.count,
                 probe.per_item_kib,
@@ -203,6 +203,7 @@ fn main() -> anyhow::Result<()> {
                 probe.rss_after_kib,
                 probe.start_ms,
                 probe.idle_cpu * 100.0,
+                probe.idle_cpu_later * 100.0,
                 probe.one_each_ms.map(|ms| format!(", one message on each partition in {ms} ms")).unwrap_or_default()
             );
         }

@@ -22,8 +22,11 @@ pub struct Probe {
     pub rss_after_kib: u64,
     pub per_item_kib: f64,
     pub start_ms: u64,
-    /// CPU used while idle, as a share of one core.
+    /// CPU used while idle, as a share of one core: over the first `idle` period, and
+    /// over a second one right after (idle partitions' claims wait longer the longer
+    /// they stay empty, so the second is the steady state).
     pub idle_cpu: f64,
+    pub idle_cpu_later: f64,
     /// Time to process one message on every partition after idling (Flotilla only).
     pub one_each_ms: Option<u64>,
 }
@@ -68,7 +71,7 @@ pub async fn probe(what: &str, count: u32, idle: Duration) -> anyhow::Result<Pro
     let before = rss_kib();
     let started = Instant::now();
     let mut one_each_ms = None;
-    let (after, start_ms, idle_cpu);
+    let (after, start_ms, idle_cpu, idle_cpu_later);
     match what {
         "actix" => {
             let addrs: Vec<Addr<Plain>> = (0..count).map(|i| Plain { _state: u64::from(i) }.start()).collect();
@@ -77,6 +80,9 @@ pub async fn probe(what: &str, count: u32, idle: Duration) -> anyhow::Result<Pro
             let cpu = cpu_time();
             tokio::time::sleep(idle).await;
             idle_cpu = (cpu_time() - cpu).as_secs_f64() / idle.as_secs_f64();
+            let cpu = cpu_time();
+            tokio::time::sleep(idle).await;
+            idle_cpu_later = (cpu_time() - cpu).as_secs_f64() / idle.as_secs_f64();
             after = rss_kib();
             drop(addrs);
         }
@@ -93,6 +99,9 @@ pub async fn probe(what: &str, count: u32, idle: Duration) -> anyhow::Result<Pro
             let cpu = cpu_time();
             tokio::time::sleep(idle).await;
             idle_cpu = (cpu_time() - cpu).as_secs_f64() / idle.as_secs_f64();
+            let cpu = cpu_time();
+            tokio::time::sleep(idle).await;
+            idle_cpu_later = (cpu_time() - cpu).as_secs_f64() / idle.as_secs_f64();
             after = rss_kib();
             // Still responsive: one message on every partition.
             let body = payload(128)?;
@@ -128,6 +137,7 @@ pub async fn probe(what: &str, count: u32, idle: Duration) -> anyhow::Result<Pro
         per_item_kib: after.saturating_sub(before) as f64 / f64::from(count.max(1)),
         start_ms,
         idle_cpu,
+        idle_cpu_later,
         one_each_ms,
     })
 }
