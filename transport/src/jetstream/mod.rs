@@ -375,18 +375,18 @@ fn stream_state(info: &stream::Info) -> StreamState {
 /// panic on) a name or value NATS cannot carry; names given as `&'static str` (all of
 /// Flotilla's own) are not copied.
 fn to_header_map(headers: &Headers) -> BrokerResult<async_nats::HeaderMap> {
-    let invalid = |name: &str, reason| BrokerError::InvalidHeader { name: name.to_owned(), reason };
     let entries = headers.entries();
     let mut map = async_nats::HeaderMap::new();
     for (i, (name, value)) in entries.iter().enumerate() {
-        let value =
-            async_nats::HeaderValue::from_str(value).map_err(|_| invalid(name, "the value has a line break"))?;
-        if !valid_header_name(name) {
-            return Err(invalid(name, "the name is empty or has a character other than printable ASCII, or ':'"));
+        let invalid = |reason| BrokerError::InvalidHeader { name: name.to_string(), reason };
+        if let Some(reason) = crate::wire::headers::entry_problem(name, value) {
+            return Err(invalid(reason));
         }
+        // Checked above, so neither conversion can fail.
+        let value = async_nats::HeaderValue::from_str(value).map_err(|_| invalid("not a header value"))?;
         let header = match name {
             Cow::Borrowed(n) => async_nats::HeaderName::from_static(n),
-            Cow::Owned(n) => async_nats::HeaderName::from_str(n).map_err(|_| invalid(n, "not a header name"))?,
+            Cow::Owned(n) => async_nats::HeaderName::from_str(n).map_err(|_| invalid("not a header name"))?,
         };
         // A name seen before gets one more value; a new one is inserted (one hash
         // lookup instead of two: this runs for every header of every output).
@@ -397,11 +397,6 @@ fn to_header_map(headers: &Headers) -> BrokerResult<async_nats::HeaderMap> {
         }
     }
     Ok(map)
-}
-
-/// What async-nats accepts as a header name (it panics on anything else).
-fn valid_header_name(name: &str) -> bool {
-    !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
 fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {

@@ -72,6 +72,21 @@ pub fn known(name: &str) -> Option<&'static str> {
     KNOWN.iter().copied().find(|k| *k == name)
 }
 
+/// What is wrong with a header entry NATS could not carry, or `None`: a name must be
+/// non-empty printable ASCII without `:`, a value must not hold CR or LF. (async-nats
+/// panics on either, so every backend checks with this first.)
+pub fn entry_problem(name: &str, value: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("the name is empty")
+    } else if name.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
+        Some("the name has a character other than printable ASCII, or ':'")
+    } else if value.bytes().any(|b| b == b'\r' || b == b'\n') {
+        Some("the value has a line break")
+    } else {
+        None
+    }
+}
+
 /// What a message is, from its [`KIND`] header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MessageKind {
@@ -189,20 +204,10 @@ impl Headers {
         self.get(MSG_ID)
     }
 
-    /// The first entry NATS cannot carry, with what is wrong with it: a name must be
-    /// printable ASCII without `:`, a value must not hold CR or LF.
+    /// The first entry NATS cannot carry, with what is wrong with it (see
+    /// [`entry_problem`]).
     pub fn invalid_entry(&self) -> Option<(&str, &'static str)> {
-        self.entries.iter().find_map(|(name, value)| {
-            if name.is_empty() {
-                Some((&**name, "the name is empty"))
-            } else if name.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
-                Some((&**name, "the name has a character other than printable ASCII, or ':'"))
-            } else if value.bytes().any(|b| b == b'\r' || b == b'\n') {
-                Some((&**name, "the value has a line break"))
-            } else {
-                None
-            }
-        })
+        self.entries.iter().find_map(|(name, value)| entry_problem(name, value).map(|why| (&**name, why)))
     }
 
     /// The entries, names as given (borrowed names are `'static`).
