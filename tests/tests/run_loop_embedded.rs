@@ -34,7 +34,8 @@ fn calls(id: u64) -> u32 {
 }
 
 /// Forwards records; `poison…` fails every attempt, `flaky:<n>` fails the first n
-/// attempts, `panic` panics, `sleep:<ms>` waits, `fatal` fails the task.
+/// attempts, `panic` panics, `sleep:<ms>` waits, `fatal` fails the task, `badkey` sends
+/// with a key NATS headers cannot carry.
 struct Relay<const QUEUE: bool>;
 
 impl<const QUEUE: bool> Task for Relay<QUEUE> {
@@ -62,7 +63,7 @@ impl<const QUEUE: bool> Task for Relay<QUEUE> {
             let ms: u64 = ms.parse().map_err(|_| TaskError::failed("bad sleep"))?;
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        let key = r.id.to_string();
+        let key = if r.body == "badkey" { format!("{}\nInjected: yes", r.id) } else { r.id.to_string() };
         if QUEUE { ctx.send(&DONE, &key, &r).await } else { ctx.send(&OUT, &key, &r).await }
     }
 }
@@ -792,4 +793,29 @@ async fn a_partition_commits_once_per_half_window_not_once_per_message() {
     assert!((1..=24).contains(&commits), "{commits} commits for {n} messages");
     job.stop();
     job.wait().await.expect("stop");
+}
+
+/// An output key with a line break cannot travel in `Flotilla-Key`: the attempt fails
+/// with a message that says so (no panic in the publish path), and the input is
+/// dead-lettered once its attempts are spent; nothing is published.
+#[actix_rt::test]
+async fn an_output_key_with_a_line_break_fails_the_attempt_and_is_dead_lettered() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job =
+        Job::new("t").task(JOBS, |_| Relay::<true>).max_attempts(2).output(DONE).start(b.clone()).await.expect("start");
+    publish(&b, "jobs", false, 7, "badkey").await;
+    publish(&b, "jobs", false, 8, "ok").await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 1).await;
+    wait_for(&b, "FLOTILLA_t_done", 1).await;
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].1.id, 7);
+    let detail = dlq[0].2.get(headers::DLQ_DETAIL).unwrap_or("");
+    assert!(detail.contains(headers::KEY) && detail.contains("line break"), "{detail}");
+    let done: Vec<u64> = read_all(&b, "FLOTILLA_t_done", None).await.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(done, vec![8], "the bad record published nothing");
+    assert_eq!(calls(7), 2, "both attempts ran");
+    job.stop();
+    job.wait().await.expect("clean stop");
 }
