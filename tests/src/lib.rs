@@ -70,6 +70,36 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     Some((status, body))
 }
 
+/// Who a signal goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignalTarget {
+    /// One process, by PID.
+    Process(u32),
+    /// Every process of a process group, by its ID (the leader's PID).
+    Group(u32),
+}
+
+/// Sends `signal` (`TERM`, `KILL`, `STOP`, `CONT`, …) with `kill -s SIGNAL -- TARGET`;
+/// whether it was delivered.
+///
+/// The `--` matters: procps' `kill -KILL -16303` reads only the first digit of a
+/// negative PID and signals `-1`, every process on the machine. A target of 0 or 1
+/// (our own group, or init and with it everyone) is refused for the same reason.
+pub fn send_signal(signal: &str, target: SignalTarget) -> bool {
+    let Some(args) = kill_args(signal, target) else { return false };
+    Command::new("kill").args(&args).stderr(Stdio::null()).status().is_ok_and(|status| status.success())
+}
+
+/// The arguments [`send_signal`] gives `kill`, or `None` for a target it refuses.
+pub fn kill_args(signal: &str, target: SignalTarget) -> Option<[String; 4]> {
+    let target = match target {
+        SignalTarget::Process(pid) if pid > 1 => pid.to_string(),
+        SignalTarget::Group(pgid) if pgid > 1 => format!("-{pgid}"),
+        _ => return None,
+    };
+    Some(["-s".to_owned(), signal.to_owned(), "--".to_owned(), target])
+}
+
 /// One running `nats-server` process.
 #[derive(Debug)]
 pub struct NatsServer {
@@ -204,7 +234,7 @@ impl NatsServer {
     /// Sends a signal (`TERM`, `STOP`, `CONT`, …) to the server.
     pub fn signal(&self, signal: &str) {
         if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status();
+            send_signal(signal, SignalTarget::Process(pid));
         }
     }
 
@@ -307,7 +337,7 @@ impl ProcessGuard {
     /// Sends a signal (`TERM`, `KILL`, `STOP`, `CONT`, …).
     pub fn signal(&self, signal: &str) {
         if let Some(pid) = self.pid() {
-            let _ = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status();
+            send_signal(signal, SignalTarget::Process(pid));
         }
     }
 

@@ -72,7 +72,7 @@ fn the_cluster_demo_script_runs_end_to_end() {
     struct Group(u32);
     impl Drop for Group {
         fn drop(&mut self) {
-            let _ = Command::new("kill").arg("-KILL").arg(format!("-{}", self.0)).status();
+            flotilla_tests::send_signal("KILL", flotilla_tests::SignalTarget::Group(self.0));
         }
     }
     example_bin("relay");

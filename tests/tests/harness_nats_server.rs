@@ -2,7 +2,7 @@
 //! keeps the store, and a missing binary is a loud error.
 
 use bytes::Bytes;
-use flotilla_tests::{NatsCluster, NatsServer, find_nats_server};
+use flotilla_tests::{NatsCluster, NatsServer, SignalTarget, find_nats_server, kill_args, send_signal};
 use flotilla_transport::broker::{ConnectionEvent, ConsumerSpec, OutboundMessage, Retention, StreamSpec};
 use flotilla_transport::{JetStreamBroker, JetStreamOptions};
 use std::path::{Path, PathBuf};
@@ -13,6 +13,40 @@ fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| s.split_whitespace().nth(2).is_none_or(|state| state != "Z"))
         .unwrap_or(false)
+}
+
+/// A signal to a process group reaches that group and nothing else. (Without `--`,
+/// procps' `kill -KILL -16303` signals -1, every process on the machine: that is what
+/// took whole CI runs down. The arguments are checked before anything is sent.)
+#[test]
+fn a_group_signal_reaches_only_that_group() {
+    use std::os::unix::process::CommandExt;
+    use std::process::Command;
+    assert_eq!(kill_args("KILL", SignalTarget::Group(16303)).expect("args"), ["-s", "KILL", "--", "-16303"]);
+    assert_eq!(kill_args("TERM", SignalTarget::Process(16303)).expect("args"), ["-s", "TERM", "--", "16303"]);
+    for refused in [SignalTarget::Group(0), SignalTarget::Group(1), SignalTarget::Process(0), SignalTarget::Process(1)]
+    {
+        assert_eq!(kill_args("KILL", refused), None, "{refused:?} means more than one process");
+        assert!(!send_signal("0", refused));
+    }
+    let spawn = || Command::new("sleep").arg("30").process_group(0).spawn().expect("sleep");
+    let (mut target, mut bystander) = (spawn(), spawn());
+    let gone = spawn();
+    let gone_pgid = gone.id();
+    let mut gone = gone;
+    let _ = gone.kill();
+    let _ = gone.wait();
+    // Signal 0 only checks: a live group answers, a dead one does not (the old parsing
+    // turned `-0 -99999` into kill(-9, 0)).
+    assert!(send_signal("0", SignalTarget::Group(target.id())));
+    assert!(!send_signal("0", SignalTarget::Group(gone_pgid)));
+    assert!(send_signal("KILL", SignalTarget::Group(target.id())));
+    let status = target.wait().expect("wait");
+    assert!(!status.success(), "the group's process was killed: {status}");
+    assert!(matches!(bystander.try_wait(), Ok(None)), "a process of another group was hit");
+    assert!(alive(std::process::id()));
+    let _ = bystander.kill();
+    let _ = bystander.wait();
 }
 
 #[test]
