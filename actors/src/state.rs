@@ -92,8 +92,8 @@ pub struct TaskState<M> {
     held: Vec<Pending<M>>,
     next_order: u64,
     /// Per input: started (or consumed) envelopes not yet in the committable prefix,
-    /// order → done.
-    outstanding: BTreeMap<InputId, BTreeMap<u64, bool>>,
+    /// (order, done) in ascending order (envelopes start in arrival order).
+    outstanding: BTreeMap<InputId, VecDeque<(u64, bool)>>,
     /// Input of each started envelope.
     // Keyed by order (a counter): Fx hashing, not SipHash, on the per-message path.
     input_of: FxHashMap<u64, InputId>,
@@ -268,7 +268,7 @@ impl<M> TaskState<M> {
                 }
             }
             if let Some(p) = self.pending.pop_front() {
-                self.outstanding.entry(p.input).or_default().insert(p.order, true);
+                self.outstanding.entry(p.input).or_default().push_back((p.order, true));
                 self.advance_committable(p.input);
             }
         }
@@ -337,7 +337,7 @@ impl<M> TaskState<M> {
                 *credits -= 1;
             }
             self.in_flight += 1;
-            self.outstanding.entry(p.input).or_default().insert(p.order, false);
+            self.outstanding.entry(p.input).or_default().push_back((p.order, false));
             self.input_of.insert(p.order, p.input);
             self.started_at.insert(p.order, now);
             Op::Process(p)
@@ -357,8 +357,10 @@ impl<M> TaskState<M> {
     pub fn effects_done(&mut self, order: u64) -> Option<(InputId, u64)> {
         self.started_at.remove(&order);
         let input = self.input_of.remove(&order)?;
-        if let Some(done) = self.outstanding.get_mut(&input).and_then(|o| o.get_mut(&order)) {
-            *done = true;
+        if let Some(o) = self.outstanding.get_mut(&input)
+            && let Ok(at) = o.binary_search_by_key(&order, |&(order, _)| order)
+        {
+            o[at].1 = true;
         }
         self.advance_committable(input).map(|pos| (input, pos))
     }
@@ -389,11 +391,8 @@ impl<M> TaskState<M> {
     fn advance_committable(&mut self, input: InputId) -> Option<u64> {
         let outstanding = self.outstanding.get_mut(&input)?;
         let mut advanced = None;
-        while let Some((&order, &done)) = outstanding.first_key_value() {
-            if !done {
-                break;
-            }
-            outstanding.remove(&order);
+        while let Some(&(order, true)) = outstanding.front() {
+            outstanding.pop_front();
             advanced = Some(order);
         }
         if let Some(pos) = advanced {

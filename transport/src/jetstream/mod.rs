@@ -697,37 +697,53 @@ struct AckSubject<'a> {
 /// Parses `$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<ns>.<pending>`,
 /// the form nats-server 2.9 and later send without a domain; `None` for anything else.
 fn parse_ack_subject(subject: &str) -> Option<AckSubject<'_>> {
-    let mut rest = Some(subject.strip_prefix("$JS.ACK.")?);
-    // Tokens by `find` (memchr), not `split`: this runs for every delivery.
-    let mut token = || {
-        let r = rest?;
-        Some(match r.find('.') {
-            Some(at) => {
-                rest = Some(&r[at + 1..]);
-                &r[..at]
-            }
-            None => {
-                rest = None;
-                r
-            }
-        })
-    };
-    let (stream, consumer) = (token()?, token()?);
-    let mut number = || token()?.parse::<u64>().ok();
-    let parsed = AckSubject {
-        stream,
-        consumer,
-        delivered: number()?,
-        stream_seq: number()?,
-        consumer_seq: number()?,
-        timestamp_ns: number()?,
-        pending: number()?,
-    };
-    // More tokens: the domain-qualified form, left to async-nats.
-    if rest.is_some() || stream.is_empty() || consumer.is_empty() {
+    let rest = subject.strip_prefix("$JS.ACK.")?;
+    // One pass over the bytes: tokens end at '.', which is ASCII, so every cut is a
+    // char boundary. (`str::find` per token and `str::parse` cost about a thousand
+    // instructions per delivery; this runs for every delivery.)
+    let mut tokens = [""; 7];
+    let mut n = 0;
+    let mut start = 0;
+    for (i, &b) in rest.as_bytes().iter().enumerate() {
+        if b == b'.' {
+            // More tokens than the plain form: the domain-qualified form, left to
+            // async-nats.
+            *tokens.get_mut(n)? = &rest[start..i];
+            n += 1;
+            start = i + 1;
+        }
+    }
+    *tokens.get_mut(n)? = &rest[start..];
+    if n != 6 {
         return None;
     }
-    Some(parsed)
+    let [stream, consumer, delivered, stream_seq, consumer_seq, timestamp_ns, pending] = tokens;
+    if stream.is_empty() || consumer.is_empty() {
+        return None;
+    }
+    Some(AckSubject {
+        stream,
+        consumer,
+        delivered: decimal(delivered)?,
+        stream_seq: decimal(stream_seq)?,
+        consumer_seq: decimal(consumer_seq)?,
+        timestamp_ns: decimal(timestamp_ns)?,
+        pending: decimal(pending)?,
+    })
+}
+
+/// A non-empty run of ASCII digits as a `u64`; `None` for anything else or on overflow.
+fn decimal(token: &str) -> Option<u64> {
+    if token.is_empty() {
+        return None;
+    }
+    token.bytes().try_fold(0u64, |acc, b| {
+        let digit = b.wrapping_sub(b'0');
+        if digit > 9 {
+            return None;
+        }
+        acc.checked_mul(10)?.checked_add(u64::from(digit))
+    })
 }
 
 /// The shared (stream, consumer) names, replaced when a message names others.
@@ -1358,6 +1374,18 @@ mod tests {
         assert_eq!(parse_ack_subject("$JS.ACK.S.C.1.2.3.4"), None);
         assert_eq!(parse_ack_subject("$JS.ACK.S.C.1.x.3.4.5"), None);
         assert_eq!(parse_ack_subject("_INBOX.abc"), None);
+        for malformed in [
+            "$JS.ACK.S.C.1..3.4.5",
+            "$JS.ACK..C.1.2.3.4.5",
+            "$JS.ACK.S..1.2.3.4.5",
+            "$JS.ACK.S.C.+1.2.3.4.5",
+            "$JS.ACK.S.C.1.2.3.4.5.",
+            "$JS.ACK.S.C.1.2.3.18446744073709551616.5",
+        ] {
+            assert_eq!(parse_ack_subject(malformed), None, "{malformed}");
+        }
+        let max = parse_ack_subject("$JS.ACK.S.C.1.2.3.18446744073709551615.0").expect("u64::MAX parses");
+        assert_eq!(max.timestamp_ns, u64::MAX);
     }
 
     #[test]
