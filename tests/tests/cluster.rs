@@ -244,7 +244,7 @@ async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers, by
             break;
         }
         for d in got {
-            out.push((d.subject, d.headers, d.payload, d.info.stream_seq));
+            out.push((d.subject.to_string(), d.headers, d.payload, d.info.stream_seq));
         }
     }
     b.delete_consumer(stream, &name).await.expect("delete checker");

@@ -107,7 +107,7 @@ async fn read_all(
         for d in got {
             let rec =
                 codec().decode::<Record>(&d.payload).unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
-            out.push((d.subject.clone(), rec, d.headers.clone()));
+            out.push((d.subject.to_string(), rec, d.headers.clone()));
         }
     }
     b.delete_consumer(js_stream, &name).await.expect("delete reader");

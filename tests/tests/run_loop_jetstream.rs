@@ -90,7 +90,7 @@ async fn read_all(b: &SharedBroker, stream: &str) -> Vec<(String, Record, flotil
             let r = Codec::default()
                 .decode::<Record>(&d.payload)
                 .unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
-            out.push((d.subject, r, d.headers));
+            out.push((d.subject.to_string(), r, d.headers));
         }
     }
     b.delete_consumer(stream, &name).await.expect("delete checker");

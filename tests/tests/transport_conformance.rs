@@ -117,7 +117,7 @@ mod cases {
         assert_eq!(got.len(), 3);
         for (i, d) in got.iter().enumerate() {
             assert_eq!(d.payload, Bytes::from(format!("m{i}")));
-            assert_eq!(d.subject, "q.a");
+            assert_eq!(&*d.subject, "q.a");
             assert_eq!(d.headers.msg_id(), Some(format!("id-{i}").as_str()));
             assert_eq!(d.headers.get("Flotilla-Key"), Some(format!("k{i}").as_str()));
             assert_eq!((d.info.stream_seq, d.info.delivered), (i as u64 + 1, 1));

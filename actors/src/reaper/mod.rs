@@ -50,7 +50,7 @@ fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<Outbound
     out.headers.insert(headers::DLQ_REASON, msg.reason);
     out.headers.insert(headers::DLQ_DETAIL, msg.detail.replace(['\r', '\n'], " "));
     out.headers.insert(headers::DLQ_STREAM, d.info.stream.to_string());
-    out.headers.insert(headers::DLQ_SUBJECT, d.subject.clone());
+    out.headers.insert(headers::DLQ_SUBJECT, &*d.subject);
     out.headers.insert(headers::DLQ_SEQ, d.info.stream_seq.to_string());
     out.headers.insert(headers::DLQ_DELIVERIES, d.info.delivered.to_string());
     Ok(out)
@@ -99,7 +99,7 @@ impl Handler<Sweep> for Reaper {
             for seq in stream.first_seq..=stream.last_seq.min(consumer.delivered) {
                 let Some(stored) = broker.get_message(&msg.js_stream, seq).await? else { continue };
                 let delivery = flotilla_transport::broker::Delivery {
-                    subject: stored.subject,
+                    subject: stored.subject.into(),
                     headers: stored.headers,
                     payload: stored.payload,
                     info: flotilla_transport::broker::DeliveryInfo {

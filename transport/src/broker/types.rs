@@ -423,8 +423,9 @@ pub enum AckKind {
 /// A message claimed from a consumer.
 #[derive(Debug, Clone)]
 pub struct Delivery {
-    /// The subject it was published to.
-    pub subject: String,
+    /// The subject it was published to (shared: the deliveries of one partition, or of
+    /// one stored message, hold the same allocation).
+    pub subject: Arc<str>,
     /// Its headers.
     pub headers: Headers,
     /// Its payload.

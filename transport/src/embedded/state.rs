@@ -469,7 +469,7 @@ impl Stream {
         let make = |c: &mut Consumer, seq: u64, m: &Stored, count: u64| {
             c.consumer_seq += 1;
             Delivery {
-                subject: m.subject.to_string(),
+                subject: m.subject.clone(),
                 headers: m.headers.clone(),
                 payload: m.payload.clone(),
                 info: DeliveryInfo {

@@ -634,14 +634,14 @@ impl Inner {
 
     /// A pulled message as a delivery. `names` keeps the last stream and consumer name,
     /// so the messages of one claim share them instead of allocating their own.
-    fn delivery(msg: jetstream::Message, names: &mut Option<(Arc<str>, Arc<str>)>) -> Option<Delivery> {
+    fn delivery(msg: jetstream::Message, shared: &mut SharedNames) -> Option<Delivery> {
         let reply = msg.message.reply.clone()?;
         // The common reply form is parsed here, without async-nats' per-token
         // iterator and date conversion (this runs for every delivery); any other form
         // goes through async-nats.
         let info = match parse_ack_subject(reply.as_str()) {
             Some(a) => {
-                let (stream, consumer) = shared_name(names, a.stream, a.consumer);
+                let (stream, consumer) = shared.names(a.stream, a.consumer);
                 DeliveryInfo {
                     stream,
                     consumer,
@@ -654,7 +654,7 @@ impl Inner {
             }
             None => match msg.info() {
                 Ok(info) => {
-                    let (stream, consumer) = shared_name(names, info.stream, info.consumer);
+                    let (stream, consumer) = shared.names(info.stream, info.consumer);
                     DeliveryInfo {
                         stream,
                         consumer,
@@ -673,7 +673,7 @@ impl Inner {
         };
         let message = msg.message;
         Some(Delivery {
-            subject: String::from(message.subject.as_str()),
+            subject: shared.subject(message.subject.as_str()),
             headers: from_header_map(message.headers.as_ref()),
             payload: message.payload,
             info,
@@ -746,14 +746,30 @@ fn decimal(token: &str) -> Option<u64> {
     })
 }
 
-/// The shared (stream, consumer) names, replaced when a message names others.
-fn shared_name(names: &mut Option<(Arc<str>, Arc<str>)>, stream: &str, consumer: &str) -> (Arc<str>, Arc<str>) {
-    match names {
-        Some((s, c)) if &**s == stream && &**c == consumer => (s.clone(), c.clone()),
-        _ => {
-            let fresh = (Arc::<str>::from(stream), Arc::<str>::from(consumer));
-            *names = Some(fresh.clone());
-            fresh
+/// What the deliveries of one claim share: the (stream, consumer) names, and the subject
+/// (one per partition), each replaced when a message names another.
+#[derive(Default)]
+struct SharedNames {
+    names: Option<(Arc<str>, Arc<str>)>,
+    subject: Option<Arc<str>>,
+}
+
+impl SharedNames {
+    fn names(&mut self, stream: &str, consumer: &str) -> (Arc<str>, Arc<str>) {
+        match &self.names {
+            Some((s, c)) if &**s == stream && &**c == consumer => (s.clone(), c.clone()),
+            _ => {
+                let fresh = (Arc::<str>::from(stream), Arc::<str>::from(consumer));
+                self.names = Some(fresh.clone());
+                fresh
+            }
+        }
+    }
+
+    fn subject(&mut self, subject: &str) -> Arc<str> {
+        match &self.subject {
+            Some(s) if &**s == subject => s.clone(),
+            _ => self.subject.insert(Arc::from(subject)).clone(),
         }
     }
 }
@@ -1027,10 +1043,10 @@ impl Broker for JetStreamBroker {
                 }
             };
             let mut out = Vec::with_capacity(max.min(1024));
-            let mut names = None;
+            let mut shared = SharedNames::default();
             while let Some(next) = batch.next().await {
                 match next {
-                    Ok(msg) => out.extend(Inner::delivery(msg, &mut names)),
+                    Ok(msg) => out.extend(Inner::delivery(msg, &mut shared)),
                     Err(e) => {
                         let text = e.to_string();
                         if text.contains("409") {
