@@ -632,8 +632,8 @@ impl Inner {
         }
     }
 
-    /// A pulled message as a delivery. `names` keeps the last stream and consumer name,
-    /// so the messages of one claim share them instead of allocating their own.
+    /// A pulled message as a delivery. `shared` keeps the last stream and consumer names
+    /// and subject, so the messages of one claim share them instead of allocating their own.
     fn delivery(msg: jetstream::Message, shared: &mut SharedNames) -> Option<Delivery> {
         let reply = msg.message.reply.clone()?;
         // The common reply form is parsed here, without async-nats' per-token
