@@ -567,9 +567,19 @@ impl Job {
             Some((takeover_subjects.stream_name(&name), partition_spec(&takeover_subjects, t, &name, p)))
         });
 
+        // Control requests reach the membership actor as messages; the subscriptions
+        // live in its context, so they end when it stops.
+        let mut control = Vec::new();
+        for pattern in [subjects.control("all.*"), subjects.control(&format!("node.{node}.*"))] {
+            control.push(broker.subscribe(&pattern, None).await?);
+        }
         let (timers, reaper) = node_services(&broker, subjects);
         let (tx, rx) = oneshot::channel();
-        let membership_ctx = Context::<Membership>::new();
+        let mut membership_ctx = Context::<Membership>::new();
+        for requests in control {
+            use futures::StreamExt;
+            membership_ctx.add_message_stream(requests.map(ControlMessage));
+        }
         let membership = membership_ctx.address();
         let container =
             Container::new(broker.clone(), subjects.clone(), self.container, slots, timers.clone(), reaper.clone(), tx)
@@ -593,18 +603,6 @@ impl Job {
             shutdown_seen,
             left: left.clone(),
         }));
-        for pattern in [subjects.control("all.*"), subjects.control(&format!("node.{node}.*"))] {
-            let mut requests = broker.subscribe(&pattern, None).await?;
-            let to = membership.clone();
-            actix::spawn(async move {
-                use futures::StreamExt;
-                while let Some(msg) = requests.next().await {
-                    if to.try_send(ControlMessage(msg)).is_err() && !to.connected() {
-                        break;
-                    }
-                }
-            });
-        }
         Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)) })
     }
 }

@@ -819,3 +819,38 @@ async fn an_output_key_with_a_line_break_fails_the_attempt_and_is_dead_lettered(
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// A stopped job lets go of its broker: no actor of it (workers, container, timer
+/// service with its delayed-message loop, reaper) outlives the job. A process that runs
+/// jobs one after another (tests, benchmarks, a job restarted in place) must not pile
+/// up old jobs' actors polling the broker, nor keep their brokers' memory.
+#[actix_rt::test]
+async fn a_stopped_job_leaves_no_actor_holding_the_broker() {
+    tokio::time::pause();
+    for cluster in [false, true] {
+        let b = EmbeddedBroker::new().shared();
+        let job = Job::new("t").task(IN, |_| Relay::<false>).task(JOBS, |_| Relay::<true>).output(DONE);
+        let job = if cluster {
+            job.start_node(b.clone(), "a", flotilla_actors::cluster::ClusterConfig::default()).await
+        } else {
+            job.start(b.clone()).await
+        }
+        .expect("start");
+        publish(&b, "in", true, 1, "ok").await;
+        publish(&b, "jobs", false, 2, "ok").await;
+        wait_for(&b, "FLOTILLA_t_out", 1).await;
+        wait_for(&b, "FLOTILLA_t_done", 1).await;
+        job.stop();
+        job.wait().await.expect("clean stop");
+        let handle = std::sync::Arc::downgrade(&b);
+        drop(b);
+        // Claims in flight end within their wait (1 s), idle ones within 5 s.
+        for _ in 0..100 {
+            if handle.strong_count() == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(handle.strong_count(), 0, "cluster mode {cluster}: actors of the stopped job still hold the broker");
+    }
+}

@@ -950,7 +950,10 @@ impl Handler<Deregister> for Membership {
                 let _ = broker.flush().await;
                 info!(%node, "left the cluster");
             }
-            .into_actor(self),
+            .into_actor(self)
+            // Nothing is left to do: stop, letting go of the container, the timer
+            // service, the reaper and the control subscriptions.
+            .map(|(), _, ctx| ctx.stop()),
         )
     }
 }

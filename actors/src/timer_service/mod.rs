@@ -61,6 +61,9 @@ impl TimerService {
             BrokerResult::Ok(())
         };
         ctx.spawn(fut.into_actor(self).map(|result, act, ctx| match result {
+            // Nobody can ask for timers any more (the job stopped): end the loop, and
+            // with it the actor and its hold on the broker.
+            _ if !ctx.connected() => ctx.stop(),
             Ok(()) => act.promote(ctx),
             Err(e) => {
                 debug!(error = %e, "delayed messages: claim failed; retrying in 1 s");
