@@ -260,6 +260,8 @@ pub struct Outputs {
 struct OutputsShared {
     next_index: Cell<u32>,
     buffer: RefCell<Vec<OutboundMessage>>,
+    /// `Flotilla-Epoch` as text, written once per callback (on its first output).
+    epoch_text: std::cell::OnceCell<String>,
 }
 
 impl std::fmt::Debug for Outputs {
@@ -331,16 +333,17 @@ impl Outputs {
         let index = self.shared.next_index.get();
         self.shared.next_index.set(index + 1);
         let id = match &self.cause {
-            Some(cause) => cause.derive_output(index),
-            None => MessageId::new_v7(),
+            Some(cause) => cause.derive_output_text(index),
+            None => MessageId::new_v7().as_str().to_owned(),
         };
+        let epoch = self.shared.epoch_text.get_or_init(|| self.epoch.to_string()).clone();
         let mut entries = Vec::with_capacity(7);
         entries.extend([
-            (Cow::Borrowed(headers::MSG_ID), String::from(id.as_str())),
+            (Cow::Borrowed(headers::MSG_ID), id),
             (Cow::Borrowed(headers::KEY), key.to_owned()),
             (Cow::Borrowed(headers::TYPE), stream.type_name().to_owned()),
             (Cow::Borrowed(headers::SENT), unix_millis(SystemTime::now()).to_string()),
-            (Cow::Borrowed(headers::EPOCH), self.epoch.to_string()),
+            (Cow::Borrowed(headers::EPOCH), epoch),
         ]);
         if let Some(cause) = &self.cause {
             entries.push((Cow::Borrowed(headers::CAUSE), cause.as_str().to_owned()));

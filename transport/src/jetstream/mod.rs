@@ -371,25 +371,56 @@ fn stream_state(info: &stream::Info) -> StreamState {
     }
 }
 
+/// async-nats's form of Flotilla's own header names, in the order of `headers::KNOWN`,
+/// built at compile time: an output's names are neither looked up nor checked again.
+static NATS_NAMES: [async_nats::HeaderName; 18] = {
+    use crate::wire::headers::*;
+    use async_nats::HeaderName;
+    [
+        HeaderName::from_static(MSG_ID),
+        HeaderName::from_static(KEY),
+        HeaderName::from_static(KIND),
+        HeaderName::from_static(RUN),
+        HeaderName::from_static(TYPE),
+        HeaderName::from_static(SENT),
+        HeaderName::from_static(CAUSE),
+        HeaderName::from_static(EPOCH),
+        HeaderName::from_static(TRACEPARENT),
+        HeaderName::from_static(WIRE),
+        HeaderName::from_static(DELAY),
+        HeaderName::from_static(TARGET),
+        HeaderName::from_static(DLQ_REASON),
+        HeaderName::from_static(DLQ_DETAIL),
+        HeaderName::from_static(DLQ_STREAM),
+        HeaderName::from_static(DLQ_SUBJECT),
+        HeaderName::from_static(DLQ_SEQ),
+        HeaderName::from_static(DLQ_DELIVERIES),
+    ]
+};
+
 /// The headers as async-nats carries them. Refuses (instead of letting async-nats
-/// panic on) a name or value NATS cannot carry; names given as `&'static str` (all of
-/// Flotilla's own) are not copied.
+/// panic on) a name or value NATS cannot carry. This runs for every header of every
+/// output: Flotilla's own names are taken ready-made, and each value is checked once,
+/// by async-nats as it copies it.
 fn to_header_map(headers: &Headers) -> BrokerResult<async_nats::HeaderMap> {
+    use crate::wire::headers::{known_index, name_problem, value_problem};
     let entries = headers.entries();
     let mut map = async_nats::HeaderMap::new();
     for (i, (name, value)) in entries.iter().enumerate() {
         let invalid = |reason| BrokerError::InvalidHeader { name: name.to_string(), reason };
-        if let Some(reason) = crate::wire::headers::entry_problem(name, value) {
-            return Err(invalid(reason));
-        }
-        // Checked above, so neither conversion can fail.
-        let value = async_nats::HeaderValue::from_str(value).map_err(|_| invalid("not a header value"))?;
-        let header = match name {
-            Cow::Borrowed(n) => async_nats::HeaderName::from_static(n),
-            Cow::Owned(n) => async_nats::HeaderName::from_str(n).map_err(|_| invalid("not a header name"))?,
+        let header = match known_index(name) {
+            Some(k) => NATS_NAMES[k].clone(),
+            None => {
+                if let Some(reason) = name_problem(name) {
+                    return Err(invalid(reason));
+                }
+                async_nats::HeaderName::from_str(name).map_err(|_| invalid("not a header name"))?
+            }
         };
+        let value = async_nats::HeaderValue::from_str(value)
+            .map_err(|_| invalid(value_problem(value).unwrap_or("not a header value")))?;
         // A name seen before gets one more value; a new one is inserted (one hash
-        // lookup instead of two: this runs for every header of every output).
+        // lookup instead of two).
         if entries[..i].iter().any(|(earlier, _)| earlier == name) {
             map.append(header, value);
         } else {
@@ -1421,6 +1452,37 @@ mod tests {
         assert_eq!(ack_body(AckKind::Nak(Some(Duration::from_millis(1500)))), "-NAK {\"delay\":1500000000}");
         assert_eq!(ack_body(AckKind::Term), "+TERM");
         assert_eq!(ack_body(AckKind::InProgress), "+WPI");
+    }
+
+    #[test]
+    fn header_maps_carry_every_entry_and_refuse_what_nats_cannot() {
+        use crate::wire::headers::{self, KNOWN};
+        for (i, name) in KNOWN.iter().enumerate() {
+            let nats: &str = NATS_NAMES[i].as_ref();
+            assert_eq!(nats, *name, "NATS_NAMES follows headers::KNOWN");
+        }
+        let h = Headers::new()
+            .with(headers::MSG_ID, "id-1")
+            .with(headers::KEY, "k")
+            .with("X-Custom", "c")
+            .with(String::from("Flotilla-Cause"), "cause");
+        let mut h2 = h.clone();
+        h2.append(headers::KEY, "k2");
+        let map = to_header_map(&h2).expect("valid");
+        assert_eq!(map.get(headers::MSG_ID).map(|v| v.as_str()), Some("id-1"));
+        assert_eq!(map.get("X-Custom").map(|v| v.as_str()), Some("c"));
+        assert_eq!(map.get(headers::CAUSE).map(|v| v.as_str()), Some("cause"));
+        let keys: Vec<&str> = map.get_all(headers::KEY).map(|v| v.as_str()).collect();
+        assert_eq!(keys, ["k", "k2"]);
+        assert_eq!(from_header_map(Some(&map)).len(), 5);
+        let refused = |h: Headers| match to_header_map(&h) {
+            Err(BrokerError::InvalidHeader { name, reason }) => (name, reason),
+            other => panic!("not refused: {other:?}"),
+        };
+        assert_eq!(refused(h.clone().with(headers::KEY, "a\nb")), (headers::KEY.into(), "the value has a line break"));
+        assert_eq!(refused(h.clone().with("X-Other", "a\rb")).1, "the value has a line break");
+        assert_eq!(refused(h.clone().with("Bad:Name", "v")).0, "Bad:Name");
+        assert_eq!(refused(h.with("", "v")).1, "the name is empty");
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub const DLQ_SEQ: &str = "Flotilla-Dlq-Seq";
 pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 
 /// Every header name above.
-const KNOWN: [&str; 18] = [
+pub(crate) const KNOWN: [&str; 18] = [
     MSG_ID,
     KEY,
     KIND,
@@ -69,22 +69,36 @@ const KNOWN: [&str; 18] = [
 /// `name` as one of the constants of this module when it is one (same spelling), so a
 /// received header can name it without a copy.
 pub fn known(name: &str) -> Option<&'static str> {
-    KNOWN.iter().copied().find(|k| *k == name)
+    known_index(name).map(|i| KNOWN[i])
+}
+
+/// Where `name` is among the constants of this module (same spelling), in the order of
+/// [`KNOWN`]: backends keep their own form of each known name at that index.
+pub(crate) fn known_index(name: &str) -> Option<usize> {
+    KNOWN.iter().position(|k| *k == name)
 }
 
 /// What is wrong with a header entry NATS could not carry, or `None`: a name must be
 /// non-empty printable ASCII without `:`, a value must not hold CR or LF. (async-nats
 /// panics on either, so every backend checks with this first.)
 pub fn entry_problem(name: &str, value: &str) -> Option<&'static str> {
+    name_problem(name).or_else(|| value_problem(value))
+}
+
+/// What is wrong with a header name NATS could not carry (see [`entry_problem`]).
+pub fn name_problem(name: &str) -> Option<&'static str> {
     if name.is_empty() {
         Some("the name is empty")
     } else if name.bytes().any(|b| !b.is_ascii_graphic() || b == b':') {
         Some("the name has a character other than printable ASCII, or ':'")
-    } else if value.bytes().any(|b| b == b'\r' || b == b'\n') {
-        Some("the value has a line break")
     } else {
         None
     }
+}
+
+/// What is wrong with a header value NATS could not carry (see [`entry_problem`]).
+pub fn value_problem(value: &str) -> Option<&'static str> {
+    value.bytes().any(|b| b == b'\r' || b == b'\n').then_some("the value has a line break")
 }
 
 /// What a message is, from its [`KIND`] header.

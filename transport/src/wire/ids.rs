@@ -37,6 +37,18 @@ impl MessageId {
     /// message with this id: `UUIDv5(OUTPUT_ID_NAMESPACE, "<this id>/<index>")`, where
     /// `<index>` is written in decimal. See `docs/wire-format.md`.
     pub fn derive_output(&self, index: u32) -> MessageId {
+        let mut out = Uuid::encode_buffer();
+        Self(Arc::from(&*self.derived(index).hyphenated().encode_lower(&mut out)))
+    }
+
+    /// [`derive_output`](Self::derive_output) as the text that goes into `Nats-Msg-Id`
+    /// (one allocation, for the hot path of sending outputs).
+    pub fn derive_output_text(&self, index: u32) -> String {
+        let mut out = Uuid::encode_buffer();
+        self.derived(index).hyphenated().encode_lower(&mut out).to_owned()
+    }
+
+    fn derived(&self, index: u32) -> Uuid {
         // "<id>/<index>" on the stack when it fits (the hot path sends many outputs).
         let mut buf = [0u8; 96];
         let name = {
@@ -50,8 +62,7 @@ impl MessageId {
                 Err(_) => std::borrow::Cow::Owned(format!("{}/{}", self.0, index).into_bytes()),
             }
         };
-        let mut out = Uuid::encode_buffer();
-        Self(Arc::from(&*Uuid::new_v5(&OUTPUT_ID_NAMESPACE, &name).hyphenated().encode_lower(&mut out)))
+        Uuid::new_v5(&OUTPUT_ID_NAMESPACE, &name)
     }
 
     /// The id as sent on the wire.
@@ -86,6 +97,7 @@ mod tests {
         assert_ne!(cause.derive_output(0), cause.derive_output(1));
         // Pinned: docs/wire-format.md shows this worked example.
         assert_eq!(cause.derive_output(0).as_str(), PINNED_OUTPUT_0);
+        assert_eq!(cause.derive_output_text(0), PINNED_OUTPUT_0);
         let foreign = MessageId::from_wire("order-42");
         assert_eq!(
             foreign.derive_output(3),
