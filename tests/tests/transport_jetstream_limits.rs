@@ -41,10 +41,11 @@ async fn claims_beyond_max_waiting_back_off_instead_of_spinning() {
     assert_eq!(broker.claim("W", "w", 1, Duration::from_secs(5)).await.expect("claim").len(), 1);
 }
 
-/// async-nats holds a publish-ack permit until the ack future is polled to completion,
-/// so queueing more than `max_ack_inflight` publishes before awaiting any (a task that
-/// sends more outputs for one message than the window, or a large `publish_batch`) used
-/// to wait forever for a permit. Acks are now driven as they arrive.
+/// Queueing more than `max_ack_inflight` publishes before awaiting any (a task that
+/// sends more outputs for one message than the window, or a large `publish_batch`) must
+/// not wait forever for a permit: acks free permits as they arrive, whoever awaits them.
+/// (With async-nats' JetStream publish, a permit came back only once its ack future was
+/// polled, and this hung.)
 #[tokio::test]
 async fn more_pipelined_publishes_than_the_ack_window_complete() {
     let server = NatsServer::start();
@@ -126,4 +127,53 @@ async fn a_reset_racing_provisioning_nodes_still_starts_at_its_sequence() {
         let first = broker.claim("R", "p0", 1, Duration::from_secs(5)).await.expect("claim");
         assert_eq!(first.first().map(|d| d.info.stream_seq), Some(8), "round {round}: the consumer starts at 8");
     }
+}
+
+/// Publish acks that never come (the server is frozen) fail their batch with a timeout,
+/// a transient error after which the worker publishes the same messages again (their
+/// ids deduplicate). The batch gives its window permits back, and so does a batch whose
+/// future is dropped: once the server answers again, a batch far larger than the window
+/// still goes through, which it could not if a permit had leaked.
+#[tokio::test]
+async fn a_batch_whose_acks_do_not_come_times_out_and_gives_its_window_back() {
+    use flotilla_transport::broker::{BrokerError, OutboundMessage};
+    let server = NatsServer::start();
+    let mut opts = JetStreamOptions::new(server.url());
+    opts.max_ack_inflight = 16;
+    opts.request_timeout = Duration::from_secs(1);
+    let broker = JetStreamBroker::connect(opts).await.expect("connect").shared();
+    broker.ensure_stream(StreamSpec::new("T", vec!["t.>".into()], Retention::Limits)).await.expect("stream");
+    let batch = |tag: &str, n: usize| -> std::sync::Arc<[OutboundMessage]> {
+        (0..n)
+            .map(|i| OutboundMessage::new(format!("t.{tag}"), Bytes::from("x")).with_id(format!("{tag}-{i}")))
+            .collect()
+    };
+    server.signal("STOP");
+    let queued = tokio::time::timeout(Duration::from_secs(5), broker.publish_pipelined_batch(batch("a", 10)))
+        .await
+        .expect("ten messages fit in the window of 16")
+        .expect("queued");
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), queued).await.expect("the batch resolves");
+    match outcome {
+        Err(e @ BrokerError::TimedOut { .. }) => assert!(e.is_transient(), "{e}"),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(900), "timed out after {:?}", started.elapsed());
+    // Ten more (the first ten's permits are back), whose future is dropped unawaited.
+    let dropped = tokio::time::timeout(Duration::from_secs(5), broker.publish_pipelined_batch(batch("b", 10)))
+        .await
+        .expect("the timed-out batch gave its permits back")
+        .expect("queued");
+    drop(dropped);
+    server.signal("CONT");
+    let stored = tokio::time::timeout(Duration::from_secs(20), broker.publish_pipelined_batch(batch("c", 200)))
+        .await
+        .expect("200 through a window of 16: no permit leaked")
+        .expect("queued");
+    tokio::time::timeout(Duration::from_secs(20), stored).await.expect("acked in time").expect("stored");
+    // Publishing the timed-out batch again stores nothing twice.
+    let again = broker.publish_pipelined_batch(batch("a", 10)).await.expect("queued");
+    again.await.expect("stored");
+    assert_eq!(broker.stream_state("T").await.expect("state").messages, 220);
 }

@@ -14,7 +14,12 @@
 //! * the server version is read at connect and newer features are gated on it
 //!   ([`ServerInfo::require`]); every stream and consumer is read back after creation,
 //!   which catches fields an old server ignored silently;
-//! * TERM is sent bare (`+TERM`), which 2.9 understands.
+//! * TERM is sent bare (`+TERM`), which 2.9 understands;
+//! * publishes are core NATS publishes with a reply subject under one subscription of
+//!   this connection (`publisher`), not async-nats' JetStream publish with an inbox,
+//!   a channel and a timer per message: at most `max_ack_inflight` wait for their acks.
+
+mod publisher;
 
 use crate::broker::{
     AckKind, AckPolicy, AckToken, AckTokenInner, BoxFuture, BoxStream, Broker, BrokerError, BrokerKind, BrokerResult,
@@ -23,18 +28,15 @@ use crate::broker::{
     StreamState, Version, compare,
 };
 use crate::wire::Headers;
-use async_nats::jetstream::{self, consumer::PullConsumer, context::PublishErrorKind, stream};
+use async_nats::jetstream::{self, consumer::PullConsumer, stream};
 use bytes::Bytes;
 use dashmap::DashMap;
 use futures::{StreamExt, TryStreamExt};
 use rand::Rng;
 use std::borrow::Cow;
-use std::collections::VecDeque;
-use std::future::IntoFuture;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, SystemTime};
 use tokio::sync::broadcast;
 use tracing::{debug, warn};
@@ -88,18 +90,6 @@ impl JetStreamOptions {
     }
 }
 
-/// A publish ack as async-nats hands it out (it must be polled, or dropped, for its
-/// ack permit to come back).
-type AckFuture = <jetstream::context::PublishAckFuture as IntoFuture>::IntoFuture;
-
-/// A publish ack on its way, driven by its own task.
-type AckWait = std::pin::Pin<
-    Box<
-        dyn Future<Output = Result<jetstream::publish::PublishAck, async_nats::jetstream::context::PublishError>>
-            + Send,
-    >,
->;
-
 /// A broker on NATS JetStream. Cheap to clone.
 #[derive(Clone)]
 pub struct JetStreamBroker {
@@ -115,6 +105,8 @@ struct Inner {
     consumers: DashMap<(String, String), PullConsumer>,
     kv: DashMap<String, jetstream::kv::Store>,
     request_timeout: Duration,
+    /// JetStream publishes (async-nats' own is used for nothing on the hot path).
+    publisher: publisher::Publisher,
 }
 
 impl std::fmt::Debug for JetStreamBroker {
@@ -225,11 +217,10 @@ impl JetStreamBroker {
             max_payload: si.max_payload,
             extra: vec![],
         };
-        let js = jetstream::context::ContextBuilder::new()
-            .timeout(opts.request_timeout)
-            .max_ack_inflight(opts.max_ack_inflight)
-            .backpressure_on_inflight(true)
-            .build(client.clone());
+        let js = jetstream::context::ContextBuilder::new().timeout(opts.request_timeout).build(client.clone());
+        let publisher =
+            publisher::Publisher::start(client.clone(), info.max_payload, opts.max_ack_inflight, opts.request_timeout)
+                .await?;
         debug!(server.version = %info.version, server.name = %info.name, "connected to nats");
         Ok(Self {
             inner: Arc::new(Inner {
@@ -241,6 +232,7 @@ impl JetStreamBroker {
                 consumers: DashMap::new(),
                 kv: DashMap::new(),
                 request_timeout: opts.request_timeout,
+                publisher,
             }),
         })
     }
@@ -371,6 +363,14 @@ fn stream_state(info: &stream::Info) -> StreamState {
     }
 }
 
+/// Refuses a payload the server would not take (its `max_payload`), before it is sent.
+fn publish_payload_check(msg: &OutboundMessage, limit: usize) -> BrokerResult<()> {
+    if msg.payload.len() > limit {
+        return Err(BrokerError::PayloadTooLarge { size: msg.payload.len(), limit });
+    }
+    Ok(())
+}
+
 /// async-nats's form of Flotilla's own header names, in the order of `headers::KNOWN`,
 /// built at compile time: an output's names are neither looked up nor checked again.
 static NATS_NAMES: [async_nats::HeaderName; 18] = {
@@ -445,6 +445,11 @@ fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
     Headers::from(entries)
 }
 
+/// The ack of a one-message batch.
+fn only_ack(acks: Vec<BrokerResult<PublishAck>>) -> BrokerResult<PublishAck> {
+    acks.into_iter().next().unwrap_or_else(|| Err(BrokerError::other("publish", "no ack for the message")))
+}
+
 fn js_code<E: std::fmt::Display>(err: &E) -> Option<u64> {
     // async-nats formats JetStream API errors as "... (code 404, error code 10059)".
     let text = err.to_string();
@@ -478,28 +483,6 @@ fn api_error<E: std::fmt::Display>(operation: &str, err: E, timeout: Duration) -
         }
     } else {
         BrokerError::other(operation, err)
-    }
-}
-
-fn publish_error(
-    subject: &str,
-    err: jetstream::context::PublishError,
-    expected: Option<u64>,
-    timeout: Duration,
-) -> BrokerError {
-    match err.kind() {
-        PublishErrorKind::StreamNotFound => BrokerError::NoStream { subject: subject.to_owned() },
-        PublishErrorKind::WrongLastSequence => {
-            BrokerError::WrongLastSequence { subject: subject.to_owned(), expected: expected.unwrap_or(0), actual: 0 }
-        }
-        PublishErrorKind::TimedOut => {
-            BrokerError::TimedOut { operation: format!("publish to {subject}"), after: timeout }
-        }
-        PublishErrorKind::BrokenPipe => {
-            BrokerError::Disconnected { operation: format!("publish to {subject}"), reason: err.to_string() }
-        }
-        PublishErrorKind::MaxPayloadExceeded => BrokerError::PayloadTooLarge { size: 0, limit: 0 },
-        _ => BrokerError::other(format!("publish to {subject}"), err),
     }
 }
 
@@ -626,43 +609,6 @@ impl Inner {
     }
 
     /// `msg` as async-nats publishes it.
-    fn publish_message(&self, msg: &OutboundMessage) -> BrokerResult<jetstream::message::PublishMessage> {
-        if msg.payload.len() > self.info.max_payload {
-            return Err(BrokerError::PayloadTooLarge { size: msg.payload.len(), limit: self.info.max_payload });
-        }
-        let mut pm = jetstream::message::PublishMessage::build().payload(msg.payload.clone());
-        if !msg.headers.is_empty() {
-            pm = pm.headers(to_header_map(&msg.headers)?);
-        }
-        if let Some(seq) = msg.expected_last_subject_seq {
-            pm = pm.expected_last_subject_sequence(seq);
-        }
-        Ok(pm)
-    }
-
-    async fn publish_enqueue(&self, msg: OutboundMessage) -> BrokerResult<(String, Option<u64>, AckWait)> {
-        let pm = self.publish_message(&msg)?;
-        let OutboundMessage { subject, expected_last_subject_seq, .. } = msg;
-        match self.js.send_publish(subject.clone(), pm).await {
-            // async-nats keeps a publish-ack permit until the ack future is polled to
-            // completion: drive it from its own task at once, or a caller that queues
-            // more than `max_ack_inflight` publishes before awaiting any would wait
-            // forever for a permit.
-            Ok(fut) => {
-                let ack = tokio::spawn(fut.into_future());
-                let wait: AckWait = Box::pin(async move {
-                    ack.await.unwrap_or_else(|_| {
-                        Err(async_nats::jetstream::context::PublishError::new(
-                            async_nats::jetstream::context::PublishErrorKind::BrokenPipe,
-                        ))
-                    })
-                });
-                Ok((subject, expected_last_subject_seq, wait))
-            }
-            Err(e) => Err(publish_error(&subject, e, expected_last_subject_seq, self.request_timeout)),
-        }
-    }
-
     /// A pulled message as a delivery. `shared` keeps the last stream and consumer names
     /// and subject, so the messages of one claim share them instead of allocating their own.
     fn delivery(msg: jetstream::Message, shared: &mut SharedNames) -> Option<Delivery> {
@@ -948,21 +894,16 @@ impl Broker for JetStreamBroker {
     fn publish(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<PublishAck>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            let (subject, expected, fut) = inner.publish_enqueue(msg).await?;
-            let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, inner.request_timeout))?;
-            Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
+            let batch = inner.publisher.send(Arc::from([msg]), publisher::Want::Acks).await?;
+            only_ack(batch.acks().await?)
         })
     }
 
     fn publish_pipelined(&self, msg: OutboundMessage) -> BoxFuture<BrokerResult<crate::broker::PendingPublish>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            let (subject, expected, fut) = inner.publish_enqueue(msg).await?;
-            let timeout = inner.request_timeout;
-            let pending: crate::broker::PendingPublish = Box::pin(async move {
-                let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, timeout))?;
-                Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
-            });
+            let batch = inner.publisher.send(Arc::from([msg]), publisher::Want::Acks).await?;
+            let pending: crate::broker::PendingPublish = Box::pin(async move { only_ack(batch.acks().await?) });
             Ok(pending)
         })
     }
@@ -970,58 +911,8 @@ impl Broker for JetStreamBroker {
     fn publish_pipelined_batch(&self, msgs: Arc<[OutboundMessage]>) -> BoxFuture<BrokerResult<PendingBatch>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            // The ack futures in send order. Only the oldest is polled, as a plain
-            // pipelined publisher would await them: acks arrive in order, and one waker
-            // per batch instead of one task per publish.
-            let mut acks: VecDeque<(usize, AckFuture)> = VecDeque::with_capacity(msgs.len());
-            let timeout = inner.request_timeout;
-            let refused = move |msgs: &[OutboundMessage], i: usize, e| {
-                let m = &msgs[i];
-                publish_error(&m.subject, e, m.expected_last_subject_seq, timeout)
-            };
-            // As on the embedded broker, every message is tried; the first refusal is
-            // what the batch reports.
-            let mut first_refusal: Option<BrokerError> = None;
-            for (i, msg) in msgs.iter().enumerate() {
-                let pm = inner.publish_message(msg)?;
-                let mut send = std::pin::pin!(inner.js.send_publish(msg.subject.clone(), pm));
-                // send_publish waits for an ack permit once `max_ack_inflight` publishes
-                // are out: take in the acks that arrived meanwhile, which frees them.
-                let sent = std::future::poll_fn(|cx| {
-                    if let Poll::Ready(sent) = send.as_mut().poll(cx) {
-                        return Poll::Ready(sent);
-                    }
-                    while let Some((j, oldest)) = acks.front_mut() {
-                        match oldest.as_mut().poll(cx) {
-                            Poll::Ready(ack) => {
-                                if let Err(e) = ack
-                                    && first_refusal.is_none()
-                                {
-                                    first_refusal = Some(refused(&msgs, *j, e));
-                                }
-                                acks.pop_front();
-                            }
-                            Poll::Pending => break,
-                        }
-                    }
-                    Poll::Pending
-                })
-                .await;
-                match sent {
-                    Ok(ack) => acks.push_back((i, ack.into_future())),
-                    Err(e) => return Err(refused(&msgs, i, e)),
-                }
-            }
-            let stored: PendingBatch = Box::pin(async move {
-                for (i, ack) in acks {
-                    if let Err(e) = ack.await
-                        && first_refusal.is_none()
-                    {
-                        first_refusal = Some(refused(&msgs, i, e));
-                    }
-                }
-                first_refusal.map_or(Ok(()), Err)
-            });
+            let batch = inner.publisher.send(msgs, publisher::Want::FirstRefusal).await?;
+            let stored: PendingBatch = Box::pin(async move { batch.acks().await.map(|_| ()) });
             Ok(stored)
         })
     }
@@ -1029,19 +920,13 @@ impl Broker for JetStreamBroker {
     fn publish_batch(&self, msgs: Vec<OutboundMessage>) -> BoxFuture<Vec<BrokerResult<PublishAck>>> {
         let inner = self.inner.clone();
         Box::pin(async move {
-            let mut pending = Vec::with_capacity(msgs.len());
-            for msg in msgs {
-                pending.push(inner.publish_enqueue(msg).await);
-            }
-            let acks = pending.into_iter().map(|p| {
-                let timeout = inner.request_timeout;
-                async move {
-                    let (subject, expected, fut) = p?;
-                    let ack = fut.await.map_err(|e| publish_error(&subject, e, expected, timeout))?;
-                    Ok(PublishAck { stream: ack.stream, seq: ack.sequence, duplicate: ack.duplicate })
-                }
-            });
-            futures::future::join_all(acks).await
+            let n = msgs.len();
+            let acks = match inner.publisher.send(msgs.into(), publisher::Want::Acks).await {
+                Ok(batch) => batch.acks().await,
+                Err(e) => Err(e),
+            };
+            // A batch that failed as a whole: each message may or may not be stored.
+            acks.unwrap_or_else(|e| vec![Err(e); n])
         })
     }
 
