@@ -855,3 +855,42 @@ async fn a_stopped_job_leaves_no_actor_holding_the_broker() {
         assert_eq!(handle.strong_count(), 0, "cluster mode {cluster}: actors of the stopped job still hold the broker");
     }
 }
+
+/// A callback with hundreds of outputs publishes them all, in send order, with the ids
+/// derived from the input's id and each output's index, and the input is acknowledged
+/// once they are stored.
+#[actix_rt::test]
+async fn a_callback_with_many_outputs_publishes_them_all_in_order() {
+    tokio::time::pause();
+    struct Fanout;
+    impl Task for Fanout {
+        type Input = Record;
+        async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+            for i in 0..r.id {
+                ctx.send(&DONE, &i.to_string(), Record { id: i, body: String::new() }).await?;
+            }
+            Ok(())
+        }
+    }
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t").task(JOBS, |_| Fanout).output(DONE).start(b.clone()).await.expect("start");
+    publish(&b, "jobs", false, 700, "fan").await;
+    wait_for(&b, "FLOTILLA_t_done", 700).await;
+    let done = read_all(&b, "FLOTILLA_t_done", None).await;
+    let ids: Vec<u64> = done.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(ids, (0..700).collect::<Vec<u64>>(), "every output, in send order");
+    let cause = done[0].2.get(headers::CAUSE).expect("cause").to_owned();
+    let cause = flotilla_transport::wire::MessageId::from_wire(cause);
+    for (i, (_, _, h)) in done.iter().enumerate() {
+        assert_eq!(h.msg_id(), Some(cause.derive_output(i as u32).as_str()), "output {i}");
+    }
+    for _ in 0..100 {
+        if b.stream_state("FLOTILLA_t_jobs").await.expect("state").messages == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.stream_state("FLOTILLA_t_jobs").await.expect("state").messages, 0, "the input is acked");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
