@@ -22,8 +22,10 @@ pub use messages::{After, Cancel, Every, Tick, TimerId};
 use actix::prelude::*;
 use flotilla_transport::broker::{AckKind, BrokerResult, Delivery, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::headers;
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::time::Duration;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 /// Where delayed messages wait.
@@ -38,11 +40,30 @@ pub struct Promotion {
 }
 
 /// The timer actor.
+///
+/// Timers wait in one queue ordered by deadline, behind a single wake-up for the
+/// earliest: a node with 10,000 partitions has tens of thousands of timers, and an
+/// actix context polls every future it holds whenever it wakes, so one future per
+/// timer made each wake-up cost them all.
 #[derive(Debug, Default)]
 pub struct TimerService {
     next: u64,
-    handles: HashMap<u64, SpawnHandle>,
+    /// Live timers by id; a cancelled or finished timer is gone from here (its queue
+    /// entry is skipped when it comes up).
+    timers: HashMap<u64, Timer>,
+    /// (deadline, id), earliest first.
+    queue: BinaryHeap<Reverse<(Instant, u64)>>,
+    /// The pending wake-up and its time.
+    wake: Option<(Instant, SpawnHandle)>,
     promotion: Option<Promotion>,
+}
+
+#[derive(Debug)]
+struct Timer {
+    target: Recipient<Tick>,
+    tick: Tick,
+    /// `Some` for a periodic timer.
+    period: Option<Duration>,
 }
 
 impl TimerService {
@@ -70,6 +91,81 @@ impl TimerService {
                 ctx.run_later(Duration::from_secs(1), |act, ctx| act.promote(ctx));
             }
         }));
+    }
+
+    fn add(&mut self, deadline: Instant, timer: Timer, ctx: &mut Context<Self>) -> TimerId {
+        self.next += 1;
+        let id = self.next;
+        self.timers.insert(id, timer);
+        self.queue.push(Reverse((deadline, id)));
+        self.schedule(ctx);
+        TimerId(id)
+    }
+
+    /// Makes sure the actor wakes at the earliest deadline (and not needlessly earlier).
+    fn schedule(&mut self, ctx: &mut Context<Self>) {
+        // Skip entries of timers that are gone.
+        while let Some(Reverse((_, id))) = self.queue.peek() {
+            if self.timers.contains_key(id) {
+                break;
+            }
+            self.queue.pop();
+        }
+        let Some(&Reverse((earliest, _))) = self.queue.peek() else {
+            if let Some((_, handle)) = self.wake.take() {
+                ctx.cancel_future(handle);
+            }
+            return;
+        };
+        match self.wake {
+            Some((at, _)) if at <= earliest => {}
+            _ => {
+                if let Some((_, handle)) = self.wake.take() {
+                    ctx.cancel_future(handle);
+                }
+                let delay = earliest.saturating_duration_since(Instant::now());
+                let handle = ctx.run_later(delay, |act, ctx| {
+                    act.wake = None;
+                    act.fire(ctx);
+                });
+                self.wake = Some((earliest, handle));
+            }
+        }
+    }
+
+    /// Sends every due tick, re-arms periodic timers, and sleeps until the next.
+    fn fire(&mut self, ctx: &mut Context<Self>) {
+        let now = Instant::now();
+        while let Some(&Reverse((deadline, id))) = self.queue.peek() {
+            if deadline > now {
+                break;
+            }
+            self.queue.pop();
+            let Some(timer) = self.timers.get(&id) else { continue };
+            match timer.period {
+                // A periodic tick skips a busy target (the next one comes a period
+                // later); the timer ends once its target has stopped.
+                Some(_) if timer.target.try_send(timer.tick.clone()).is_err() && !timer.target.connected() => {
+                    self.timers.remove(&id);
+                }
+                Some(period) => {
+                    // Ticks missed while the node was busy are not made up in a burst.
+                    let mut next = deadline + period;
+                    if next <= now {
+                        next = now + period;
+                    }
+                    self.queue.push(Reverse((next, id)));
+                }
+                // A one-off tick (a retry, a user timer) is delivered however full the
+                // target's mailbox is.
+                None => {
+                    if let Some(timer) = self.timers.remove(&id) {
+                        timer.target.do_send(timer.tick);
+                    }
+                }
+            }
+        }
+        self.schedule(ctx);
     }
 }
 
@@ -115,29 +211,14 @@ impl Actor for TimerService {
     }
 }
 
-impl TimerService {
-    fn id(&mut self) -> u64 {
-        self.next += 1;
-        self.next
-    }
-}
-
 impl Handler<Every> for TimerService {
     type Result = MessageResult<Every>;
 
     fn handle(&mut self, msg: Every, ctx: &mut Context<Self>) -> Self::Result {
-        let id = self.id();
         let Every { period, target, tick } = msg;
-        let handle = ctx.run_interval(period, move |act, ctx| {
-            if target.try_send(tick.clone()).is_err()
-                && !target.connected()
-                && let Some(h) = act.handles.remove(&id)
-            {
-                ctx.cancel_future(h);
-            }
-        });
-        self.handles.insert(id, handle);
-        MessageResult(TimerId(id))
+        // A zero period would tick in a busy loop.
+        let period = period.max(Duration::from_millis(1));
+        MessageResult(self.add(Instant::now() + period, Timer { target, tick, period: Some(period) }, ctx))
     }
 }
 
@@ -145,14 +226,8 @@ impl Handler<After> for TimerService {
     type Result = MessageResult<After>;
 
     fn handle(&mut self, msg: After, ctx: &mut Context<Self>) -> Self::Result {
-        let id = self.id();
         let After { delay, target, tick } = msg;
-        let handle = ctx.run_later(delay, move |act, _| {
-            act.handles.remove(&id);
-            let _ = target.try_send(tick);
-        });
-        self.handles.insert(id, handle);
-        MessageResult(TimerId(id))
+        MessageResult(self.add(Instant::now() + delay, Timer { target, tick, period: None }, ctx))
     }
 }
 
@@ -160,8 +235,8 @@ impl Handler<Cancel> for TimerService {
     type Result = ();
 
     fn handle(&mut self, msg: Cancel, ctx: &mut Context<Self>) {
-        if let Some(h) = self.handles.remove(&msg.0.0) {
-            ctx.cancel_future(h);
+        if self.timers.remove(&msg.0.0).is_some() {
+            self.schedule(ctx);
         }
     }
 }
@@ -212,5 +287,57 @@ mod tests {
             vec![(90, Tick::Retry(7)), (600, Tick::Window), (1200, Tick::Window), (1800, Tick::Window)],
             "three 10-minute windows and one retry, no cancelled commit"
         );
+    }
+
+    /// Many timers, added out of order, some cancelled: each one-off fires once at its
+    /// deadline, in deadline order; each periodic one fires every period; cancelled ones
+    /// never; and a periodic timer whose target stopped disturbs none of them.
+    #[actix_rt::test]
+    async fn thousands_of_timers_fire_in_deadline_order() {
+        tokio::time::pause();
+        let start = tokio::time::Instant::now();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let rec = Recorder(seen.clone()).start();
+        let timers = TimerService::default().start();
+        let mut cancelled = Vec::new();
+        for i in 0..2000u64 {
+            // Delays 1..=1000 s in a scrambled order.
+            let delay = Duration::from_secs(1 + (i * 7919) % 1000);
+            let id = timers
+                .send(After { delay, target: rec.clone().recipient(), tick: Tick::Retry(delay.as_secs()) })
+                .await
+                .expect("after");
+            if i % 10 == 0 {
+                cancelled.push(id);
+            }
+        }
+        for id in cancelled {
+            timers.send(Cancel(id)).await.expect("cancel");
+        }
+        timers
+            .send(Every { period: Duration::from_secs(250), target: rec.clone().recipient(), tick: Tick::Window })
+            .await
+            .expect("every");
+        let gone = Recorder(Arc::new(Mutex::new(Vec::new()))).start();
+        timers
+            .send(Every { period: Duration::from_secs(1), target: gone.clone().recipient(), tick: Tick::Commit })
+            .await
+            .expect("every");
+        drop(gone);
+        tokio::time::sleep(Duration::from_secs(1001)).await;
+        let seen = seen.lock().expect("lock").clone();
+        let retries: Vec<(u64, u64)> = seen
+            .iter()
+            .filter_map(|(at, t)| match t {
+                Tick::Retry(d) => Some((at.duration_since(start).as_secs(), *d)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(retries.len(), 1800, "every one-off but the 200 cancelled fired once");
+        assert!(retries.iter().all(|(at, d)| at == d), "each at its deadline");
+        assert!(retries.windows(2).all(|w| w[0].0 <= w[1].0), "in deadline order");
+        let windows: Vec<u64> =
+            seen.iter().filter(|(_, t)| *t == Tick::Window).map(|(at, _)| at.duration_since(start).as_secs()).collect();
+        assert_eq!(windows, vec![250, 500, 750, 1000]);
     }
 }
