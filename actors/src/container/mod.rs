@@ -16,6 +16,7 @@
 
 mod messages;
 
+use messages::Claimed;
 pub use messages::{AddSlot, ContainerExit, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
 
 use crate::config::FailurePolicy;
@@ -103,6 +104,8 @@ struct Slot {
     worker: Option<WorkerHandle>,
     outstanding: usize,
     claiming: bool,
+    /// The task of the claim out, if any (aborted when the container stops).
+    claim_task: Option<tokio::task::JoinHandle<()>>,
     /// Claims in a row that came back empty (the next one waits longer).
     empty_claims: u32,
     finished: bool,
@@ -133,6 +136,7 @@ impl Slot {
             worker: None,
             outstanding: 0,
             claiming: false,
+            claim_task: None,
             empty_claims: 0,
             finished: false,
             failures: 0,
@@ -333,9 +337,13 @@ impl Container {
         slot.claiming = true;
         let wait = claim_wait_after(slot.empty_claims, self.config.claim_wait, self.config.idle_claim_wait);
         let fut = self.broker.claim(&slot.spec.js_stream, &slot.spec.consumer, free, wait);
-        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            act.claimed(i, result, ctx);
-            act.pump_slot(i, ctx);
+        // Each claim is a task of its own, not a future in this actor's context: actix
+        // polls every future a context holds whenever it wakes, and a node has a claim
+        // out for each of its partitions (10,000 made every wake-up poll 10,000).
+        let me = ctx.address();
+        slot.claim_task = Some(actix::spawn(async move {
+            let result = fut.await;
+            me.do_send(Claimed { slot: i, result });
         }));
     }
 
@@ -349,6 +357,7 @@ impl Container {
         let subjects = self.subjects.clone();
         let slot = &mut self.slots[i];
         slot.claiming = false;
+        slot.claim_task = None;
         if let Some(outcome) = slot.ended.take() {
             // Whatever the claim brought is left unacked for the next owner.
             self.report_ended(i, outcome);
@@ -517,6 +526,28 @@ impl Actor for Container {
             self.timers.do_send(Every { period: self.config.sweep_interval, target: me, tick: Tick::Sweep });
         }
         self.pump(ctx);
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        // A claim that outlived the container would take messages nobody handles (they
+        // would wait for ack-wait): end them with it.
+        for slot in &mut self.slots {
+            if let Some(task) = slot.claim_task.take() {
+                task.abort();
+            }
+        }
+    }
+}
+
+impl Handler<Claimed> for Container {
+    type Result = ();
+
+    fn handle(&mut self, Claimed { slot, result }: Claimed, ctx: &mut Context<Self>) {
+        if slot >= self.slots.len() {
+            return;
+        }
+        self.claimed(slot, result, ctx);
+        self.pump_slot(slot, ctx);
     }
 }
 
