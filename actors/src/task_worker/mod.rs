@@ -9,8 +9,8 @@
 //!   once every output has its publish ack.
 //! * **Ordered inputs** commit with an ack-all of the contiguous completed prefix once
 //!   everything claimed is done (the task is idle) or a whole window is uncommitted, and
-//!   every commit interval: one commit per claimed window, as a plain consumer acks the
-//!   last message of each fetch.
+//!   at the latest a commit interval after a completion: one commit per claimed window,
+//!   as a plain consumer acks the last message of each fetch.
 //!   A failing message is retried in place with backoff (the partition waits, order is
 //!   kept), then dead-lettered and skipped.
 //! * **Queue inputs** ack each message; a failing message is nak'd with the backoff
@@ -197,6 +197,11 @@ pub struct TaskWorker<T: Task> {
     acks: Vec<(AckToken, AckKind)>,
     /// Messages finished during this turn, not yet reported to the container.
     completed: usize,
+    /// A commit tick is on its way (armed when completions wait for a commit, so an
+    /// idle partition gets no ticks).
+    commit_tick_armed: bool,
+    /// A heartbeat tick is on its way (armed while messages are held).
+    heartbeat_armed: bool,
 }
 
 impl<T: Task> std::fmt::Debug for TaskWorker<T> {
@@ -240,6 +245,8 @@ impl<T: Task> TaskWorker<T> {
             publishing: false,
             acks: Vec::new(),
             completed: 0,
+            commit_tick_armed: false,
+            heartbeat_armed: false,
         }
     }
 
@@ -285,6 +292,29 @@ impl<T: Task> TaskWorker<T> {
     fn drive(&mut self, ctx: &mut Context<Self>) {
         self.drive_ops(ctx);
         self.send_batched();
+        self.arm_ticks();
+    }
+
+    /// Arms the ticks this worker needs now, and only those: completions wait for a
+    /// commit at most a commit interval (armed when the first is done), and held
+    /// messages get in-progress acks every third of ack-wait (armed while any is held).
+    /// Ticks every interval for every partition would cost an idle node with thousands
+    /// of them more than their claims.
+    fn arm_ticks(&mut self) {
+        if self.finished {
+            return;
+        }
+        let Some(me) = &self.self_recipient else { return };
+        if !self.commit_tick_armed && self.state.uncommitted() {
+            self.commit_tick_armed = true;
+            self.timers.do_send(After { delay: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
+        }
+        let held = if self.binding.ordered() { !self.claimed.is_empty() } else { !self.inflight.is_empty() };
+        if !self.heartbeat_armed && held {
+            self.heartbeat_armed = true;
+            let beat = (self.config.ack_wait / 3).max(Duration::from_millis(50));
+            self.timers.do_send(After { delay: beat, target: me.clone(), tick: Tick::Heartbeat });
+        }
     }
 
     fn drive_ops(&mut self, ctx: &mut Context<Self>) {
@@ -943,12 +973,9 @@ impl<T: Task> Actor for TaskWorker<T> {
     fn started(&mut self, ctx: &mut Context<Self>) {
         let me = ctx.address().recipient::<Tick>();
         self.self_recipient = Some(me.clone());
-        self.timers.do_send(Every { period: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
         if let Some(every) = self.config.window_interval {
             self.timers.do_send(Every { period: every, target: me.clone(), tick: Tick::Window });
         }
-        let beat = (self.config.ack_wait / 3).max(Duration::from_millis(50));
-        self.timers.do_send(Every { period: beat, target: me.clone(), tick: Tick::Heartbeat });
         if let Some(timeout) = self.config.callback_timeout {
             let every = (timeout / 4).max(Duration::from_millis(10));
             self.timers.do_send(Every { period: every, target: me, tick: Tick::CheckTimeouts });
@@ -1041,12 +1068,16 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
             Tick::Commit => {
+                self.commit_tick_armed = false;
                 if self.state.uncommitted() {
                     self.state.request_commit();
                 }
             }
             Tick::Window => self.state.request_window(),
-            Tick::Heartbeat => self.heartbeat(),
+            Tick::Heartbeat => {
+                self.heartbeat_armed = false;
+                self.heartbeat();
+            }
             Tick::CheckTimeouts => {
                 if let Some(timeout) = self.config.callback_timeout {
                     let late = self.state.timed_out(Instant::now(), timeout);
