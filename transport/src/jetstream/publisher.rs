@@ -349,6 +349,7 @@ impl Publisher {
         let mut credits = 0usize;
         let mut refused: Vec<(usize, BrokerError)> = Vec::new();
         let mut reply = String::with_capacity(self.shared.prefix.len() + 24);
+        let mut last_subject: Option<(&str, async_nats::Subject)> = None;
         let result = async {
             for (i, msg) in msgs.iter().enumerate() {
                 let headers = match message_headers(msg, self.max_payload) {
@@ -377,8 +378,18 @@ impl Publisher {
                 }
                 // Counted before it goes out (its permit is the batch's from now on).
                 batch.sent += 1;
+                // Consecutive messages to one subject (a queue stream's outputs) share
+                // its text instead of copying it each.
+                let subject = match &last_subject {
+                    Some((text, subject)) if *text == msg.subject => subject.clone(),
+                    _ => {
+                        let subject = async_nats::Subject::from(msg.subject.as_str());
+                        last_subject = Some((msg.subject.as_str(), subject.clone()));
+                        subject
+                    }
+                };
                 self.client
-                    .publish_with_reply_and_headers(msg.subject.clone(), reply.clone(), headers, msg.payload.clone())
+                    .publish_with_reply_and_headers(subject, reply.clone(), headers, msg.payload.clone())
                     .await
                     .map_err(|e| BrokerError::Disconnected {
                         operation: format!("publish to {}", msg.subject),
