@@ -42,7 +42,7 @@ use crate::stream::{StreamDef, StreamKind};
 use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::topology;
-use flotilla_transport::wire::{Codec, Headers, MessageId, StreamName, Subjects, headers, partition_for};
+use flotilla_transport::wire::{Codec, HeaderText, Headers, MessageId, StreamName, Subjects, headers, partition_for};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
 use serde::{Serialize, de::DeserializeOwned};
@@ -249,7 +249,7 @@ pub struct MessageMeta {
 pub struct Outputs {
     env: Rc<TaskEnv>,
     cause: Option<MessageId>,
-    traceparent: Option<String>,
+    traceparent: Option<std::sync::Arc<str>>,
     epoch: u64,
     /// What clones of this handle share (one allocation per callback).
     shared: Rc<OutputsShared>,
@@ -260,8 +260,9 @@ pub struct Outputs {
 struct OutputsShared {
     next_index: Cell<u32>,
     buffer: RefCell<Vec<OutboundMessage>>,
-    /// `Flotilla-Epoch` as text, written once per callback (on its first output).
-    epoch_text: std::cell::OnceCell<String>,
+    /// `Flotilla-Epoch` as text, written once per callback (on its first output) and
+    /// shared by its outputs.
+    epoch_text: std::cell::OnceCell<std::sync::Arc<str>>,
 }
 
 impl std::fmt::Debug for Outputs {
@@ -336,20 +337,21 @@ impl Outputs {
             Some(cause) => cause.derive_output_text(index),
             None => MessageId::new_v7().as_str().to_owned(),
         };
-        let epoch = self.shared.epoch_text.get_or_init(|| self.epoch.to_string()).clone();
+        let epoch = self.shared.epoch_text.get_or_init(|| self.epoch.to_string().into()).clone();
+        // Per output, only its id, key and time are new text; the rest is shared.
         let mut entries = Vec::with_capacity(7);
         entries.extend([
-            (Cow::Borrowed(headers::MSG_ID), id),
-            (Cow::Borrowed(headers::KEY), key.to_owned()),
-            (Cow::Borrowed(headers::TYPE), stream.type_name().to_owned()),
-            (Cow::Borrowed(headers::SENT), unix_millis(SystemTime::now()).to_string()),
-            (Cow::Borrowed(headers::EPOCH), epoch),
+            (Cow::Borrowed(headers::MSG_ID), HeaderText::Owned(id)),
+            (Cow::Borrowed(headers::KEY), HeaderText::Owned(key.to_owned())),
+            (Cow::Borrowed(headers::TYPE), HeaderText::Static(stream.type_name())),
+            (Cow::Borrowed(headers::SENT), HeaderText::Owned(unix_millis(SystemTime::now()).to_string())),
+            (Cow::Borrowed(headers::EPOCH), HeaderText::Shared(epoch)),
         ]);
         if let Some(cause) = &self.cause {
-            entries.push((Cow::Borrowed(headers::CAUSE), cause.as_str().to_owned()));
+            entries.push((Cow::Borrowed(headers::CAUSE), HeaderText::from(cause)));
         }
         if let Some(tp) = &self.traceparent {
-            entries.push((Cow::Borrowed(headers::TRACEPARENT), tp.clone()));
+            entries.push((Cow::Borrowed(headers::TRACEPARENT), HeaderText::Shared(tp.clone())));
         }
         Ok(OutboundMessage { subject, headers: Headers::from(entries), payload, expected_last_subject_seq: None })
     }
@@ -394,7 +396,7 @@ impl std::fmt::Debug for TaskContext {
 impl TaskContext {
     pub(crate) fn new(env: Rc<TaskEnv>, partition: Option<u32>, epoch: u64, meta: Option<MessageMeta>) -> Self {
         let cause = meta.as_ref().map(|m| m.id.clone());
-        let traceparent = meta.as_ref().and_then(|m| m.headers.get(headers::TRACEPARENT).map(str::to_owned));
+        let traceparent = meta.as_ref().and_then(|m| m.headers.get(headers::TRACEPARENT).map(std::sync::Arc::from));
         Self {
             outputs: Outputs { env, cause, traceparent, epoch, shared: Rc::default() },
             meta,

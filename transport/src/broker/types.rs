@@ -344,13 +344,13 @@ impl OutboundMessage {
 
     /// Sets `Nats-Msg-Id`.
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
-        self.headers.insert(crate::wire::headers::MSG_ID, id);
+        self.headers.insert(crate::wire::headers::MSG_ID, id.into());
         self
     }
 
     /// Sets a header.
     pub fn with_header(mut self, name: impl Into<std::borrow::Cow<'static, str>>, value: impl Into<String>) -> Self {
-        self.headers.insert(name, value);
+        self.headers.insert(name, value.into());
         self
     }
 }

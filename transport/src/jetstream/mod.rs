@@ -27,7 +27,7 @@ use crate::broker::{
     KvSpec, OutboundMessage, PendingBatch, PublishAck, Retention, ServerInfo, Storage, StoredMessage, StreamSpec,
     StreamState, Version, compare,
 };
-use crate::wire::Headers;
+use crate::wire::{HeaderText, Headers};
 use async_nats::jetstream::{self, consumer::PullConsumer, stream};
 use bytes::Bytes;
 use dashmap::DashMap;
@@ -417,6 +417,7 @@ fn to_header_map(headers: &Headers) -> BrokerResult<async_nats::HeaderMap> {
                 async_nats::HeaderName::from_str(name).map_err(|_| invalid("not a header name"))?
             }
         };
+        let value = value.as_str();
         let value = async_nats::HeaderValue::from_str(value)
             .map_err(|_| invalid(value_problem(value).unwrap_or("not a header value")))?;
         // A name seen before gets one more value; a new one is inserted (one hash
@@ -440,7 +441,7 @@ fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
             Some(known) => Cow::Borrowed(known),
             None => Cow::Owned(name.to_owned()),
         };
-        entries.extend(values.iter().map(|v| (name.clone(), v.as_str().to_owned())));
+        entries.extend(values.iter().map(|v| (name.clone(), HeaderText::Owned(v.as_str().to_owned()))));
     }
     Headers::from(entries)
 }

@@ -133,6 +133,62 @@ impl MessageKind {
     }
 }
 
+/// A header value's text: its own, or shared without a copy. The outputs of one
+/// callback share their cause, epoch and type, so only what differs per output (its
+/// id, key and time) is allocated per output.
+#[derive(Debug, Clone)]
+pub enum HeaderText {
+    /// Text of the program.
+    Static(&'static str),
+    /// Text that clones share.
+    Shared(Arc<str>),
+    /// Text of its own.
+    Owned(String),
+}
+
+impl HeaderText {
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        match self {
+            HeaderText::Static(s) => s,
+            HeaderText::Shared(s) => s,
+            HeaderText::Owned(s) => s,
+        }
+    }
+}
+
+impl PartialEq for HeaderText {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for HeaderText {}
+
+impl From<String> for HeaderText {
+    fn from(s: String) -> Self {
+        HeaderText::Owned(s)
+    }
+}
+
+impl From<&String> for HeaderText {
+    fn from(s: &String) -> Self {
+        HeaderText::Owned(s.clone())
+    }
+}
+
+impl From<&str> for HeaderText {
+    fn from(s: &str) -> Self {
+        HeaderText::Owned(s.to_owned())
+    }
+}
+
+impl From<Arc<str>> for HeaderText {
+    fn from(s: Arc<str>) -> Self {
+        HeaderText::Shared(s)
+    }
+}
+
 /// An ordered multimap of header names to values.
 ///
 /// Lookups ignore ASCII case, as NATS servers and most clients do not canonicalise names.
@@ -141,7 +197,7 @@ impl MessageKind {
 /// constants of this module) are not copied.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Headers {
-    entries: Arc<Vec<(Cow<'static, str>, String)>>,
+    entries: Arc<Vec<(Cow<'static, str>, HeaderText)>>,
 }
 
 impl Headers {
@@ -156,7 +212,7 @@ impl Headers {
     }
 
     /// Sets `name` to `value`, replacing any earlier values of `name`.
-    pub fn insert(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> &mut Self {
+    pub fn insert(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<HeaderText>) -> &mut Self {
         let name = name.into();
         let entries = Arc::make_mut(&mut self.entries);
         entries.retain(|(n, _)| !n.eq_ignore_ascii_case(&name));
@@ -165,13 +221,13 @@ impl Headers {
     }
 
     /// Adds a value for `name`, keeping earlier ones.
-    pub fn append(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> &mut Self {
+    pub fn append(&mut self, name: impl Into<Cow<'static, str>>, value: impl Into<HeaderText>) -> &mut Self {
         Arc::make_mut(&mut self.entries).push((name.into(), value.into()));
         self
     }
 
     /// Builder form of [`Headers::insert`].
-    pub fn with(mut self, name: impl Into<Cow<'static, str>>, value: impl Into<String>) -> Self {
+    pub fn with(mut self, name: impl Into<Cow<'static, str>>, value: impl Into<HeaderText>) -> Self {
         self.insert(name, value);
         self
     }
@@ -221,11 +277,11 @@ impl Headers {
     /// The first entry NATS cannot carry, with what is wrong with it (see
     /// [`entry_problem`]).
     pub fn invalid_entry(&self) -> Option<(&str, &'static str)> {
-        self.entries.iter().find_map(|(name, value)| entry_problem(name, value).map(|why| (&**name, why)))
+        self.entries.iter().find_map(|(name, value)| entry_problem(name, value.as_str()).map(|why| (&**name, why)))
     }
 
     /// The entries, names as given (borrowed names are `'static`).
-    pub(crate) fn entries(&self) -> &[(Cow<'static, str>, String)] {
+    pub(crate) fn entries(&self) -> &[(Cow<'static, str>, HeaderText)] {
         &self.entries
     }
 }
@@ -233,11 +289,18 @@ impl Headers {
 impl From<Vec<(Cow<'static, str>, String)>> for Headers {
     /// The entries as given, in order (no check for repeated names).
     fn from(entries: Vec<(Cow<'static, str>, String)>) -> Self {
+        Self { entries: Arc::new(entries.into_iter().map(|(n, v)| (n, HeaderText::Owned(v))).collect()) }
+    }
+}
+
+impl From<Vec<(Cow<'static, str>, HeaderText)>> for Headers {
+    /// The entries as given, in order (no check for repeated names).
+    fn from(entries: Vec<(Cow<'static, str>, HeaderText)>) -> Self {
         Self { entries: Arc::new(entries) }
     }
 }
 
-impl<N: Into<Cow<'static, str>>, V: Into<String>> FromIterator<(N, V)> for Headers {
+impl<N: Into<Cow<'static, str>>, V: Into<HeaderText>> FromIterator<(N, V)> for Headers {
     fn from_iter<I: IntoIterator<Item = (N, V)>>(iter: I) -> Self {
         Self { entries: Arc::new(iter.into_iter().map(|(n, v)| (n.into(), v.into())).collect()) }
     }
@@ -256,6 +319,18 @@ mod tests {
         assert_eq!(h.len(), 3);
         h.remove(KEY);
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn header_text_compares_by_its_text_however_it_is_held() {
+        let shared: Arc<str> = Arc::from("0190b6a4");
+        let owned = Headers::new().with(CAUSE, "0190b6a4").with(TYPE, "Record");
+        let mut other = Headers::new().with(CAUSE, HeaderText::Shared(shared.clone()));
+        other.insert(TYPE, HeaderText::Static("Record"));
+        assert_eq!(owned, other);
+        assert_eq!(other.get(CAUSE), Some("0190b6a4"));
+        assert_eq!(other.iter().collect::<Vec<_>>(), vec![(CAUSE, "0190b6a4"), (TYPE, "Record")]);
+        assert_ne!(owned, Headers::new().with(CAUSE, HeaderText::Shared(shared)).with(TYPE, "Other"));
     }
 
     #[test]

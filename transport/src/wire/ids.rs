@@ -71,6 +71,13 @@ impl MessageId {
     }
 }
 
+impl From<&MessageId> for super::HeaderText {
+    /// The id as header text, sharing it (no copy).
+    fn from(id: &MessageId) -> Self {
+        super::HeaderText::Shared(id.0.clone())
+    }
+}
+
 impl fmt::Display for MessageId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)

@@ -9,7 +9,7 @@ pub mod partition;
 pub mod subjects;
 
 pub use codec::{Codec, CodecError, DEFAULT_MAX_PAYLOAD, HARD_MAX_PAYLOAD, WIRE_VERSION};
-pub use headers::{Headers, MessageKind};
+pub use headers::{HeaderText, Headers, MessageKind};
 pub use ids::MessageId;
 pub use names::{JobName, NAME_RULE, NameError, StreamName};
 pub use partition::{fnv1a64, partition_for};
