@@ -183,6 +183,24 @@ impl From<&str> for HeaderText {
     }
 }
 
+impl From<Cow<'_, str>> for HeaderText {
+    fn from(s: Cow<'_, str>) -> Self {
+        HeaderText::Owned(s.into_owned())
+    }
+}
+
+impl From<Box<str>> for HeaderText {
+    fn from(s: Box<str>) -> Self {
+        HeaderText::Owned(s.into())
+    }
+}
+
+impl From<char> for HeaderText {
+    fn from(c: char) -> Self {
+        HeaderText::Owned(c.into())
+    }
+}
+
 impl From<Arc<str>> for HeaderText {
     fn from(s: Arc<str>) -> Self {
         HeaderText::Shared(s)
