@@ -245,14 +245,26 @@ pub struct MessageMeta {
 
 /// Sends outputs; cloneable into deferred futures. Every output's publish ack is awaited
 /// before the input is acknowledged (effect before ack).
-#[derive(Clone)]
 pub struct Outputs {
     env: Rc<TaskEnv>,
     cause: Option<MessageId>,
     traceparent: Option<std::sync::Arc<str>>,
     epoch: u64,
-    /// What clones of this handle share (one allocation per callback).
-    shared: Rc<OutputsShared>,
+    /// What clones of this handle share: made on the first output or clone, so a
+    /// callback that sends nothing (most of them) allocates nothing for it.
+    shared: std::cell::OnceCell<Rc<OutputsShared>>,
+}
+
+impl Clone for Outputs {
+    fn clone(&self) -> Self {
+        Self {
+            env: self.env.clone(),
+            cause: self.cause.clone(),
+            traceparent: self.traceparent.clone(),
+            epoch: self.epoch,
+            shared: std::cell::OnceCell::from(self.shared().clone()),
+        }
+    }
 }
 
 /// The next output's index and the outputs of this callback so far.
@@ -269,7 +281,7 @@ impl std::fmt::Debug for Outputs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outputs")
             .field("cause", &self.cause)
-            .field("buffered", &self.shared.buffer.borrow().len())
+            .field("buffered", &self.shared.get().map_or(0, |s| s.buffer.borrow().len()))
             .finish()
     }
 }
@@ -331,13 +343,14 @@ impl Outputs {
         }
         let subject = self.env.output_subject(stream, key).await?;
         let payload = self.env.codec.encode(value).map_err(|e| TaskError::failed(e.to_string()))?;
-        let index = self.shared.next_index.get();
-        self.shared.next_index.set(index + 1);
+        let shared = self.shared();
+        let index = shared.next_index.get();
+        shared.next_index.set(index + 1);
         let id = match &self.cause {
             Some(cause) => cause.derive_output_text(index),
             None => MessageId::new_v7().as_str().to_owned(),
         };
-        let epoch = self.shared.epoch_text.get_or_init(|| self.epoch.to_string().into()).clone();
+        let epoch = shared.epoch_text.get_or_init(|| self.epoch.to_string().into()).clone();
         // Per output, only its id, key and time are new text; the rest is shared.
         let mut entries = Vec::with_capacity(7);
         entries.extend([
@@ -357,13 +370,17 @@ impl Outputs {
     }
 
     async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
-        self.shared.buffer.borrow_mut().push(msg);
+        self.shared().buffer.borrow_mut().push(msg);
         Ok(())
     }
 
     /// The outputs of this callback, in send order.
     pub(crate) fn take_buffer(&self) -> Vec<OutboundMessage> {
-        std::mem::take(&mut *self.shared.buffer.borrow_mut())
+        self.shared.get().map(|s| std::mem::take(&mut *s.buffer.borrow_mut())).unwrap_or_default()
+    }
+
+    fn shared(&self) -> &Rc<OutputsShared> {
+        self.shared.get_or_init(Rc::default)
     }
 }
 
@@ -398,7 +415,7 @@ impl TaskContext {
         let cause = meta.as_ref().map(|m| m.id.clone());
         let traceparent = meta.as_ref().and_then(|m| m.headers.get(headers::TRACEPARENT).map(std::sync::Arc::from));
         Self {
-            outputs: Outputs { env, cause, traceparent, epoch, shared: Rc::default() },
+            outputs: Outputs { env, cause, traceparent, epoch, shared: std::cell::OnceCell::new() },
             meta,
             partition,
             requests: Requests::default(),
@@ -495,6 +512,11 @@ impl TaskContext {
 
     pub(crate) fn outputs_handle(&self) -> &Outputs {
         &self.outputs
+    }
+
+    /// The outputs handle, for what remains of the callback once it returned.
+    pub(crate) fn into_outputs(self) -> Outputs {
+        self.outputs
     }
 
     /// Decodes a message for `T`, checking its type header. Used by the worker.

@@ -393,8 +393,8 @@ impl<T: Task> TaskWorker<T> {
             }
         };
         let meta = MessageMeta {
-            id: match d.headers.msg_id() {
-                Some(id) => MessageId::from_wire(id),
+            id: match d.headers.get_text(headers::MSG_ID) {
+                Some(id) => MessageId::from_header(id),
                 None => MessageId::from_wire(format!("{}-{}", d.info.stream, d.info.stream_seq)),
             },
             key: d.headers.get(headers::KEY).map(str::to_owned),
@@ -434,7 +434,7 @@ impl<T: Task> TaskWorker<T> {
         match result {
             Ok(Ok(())) => {
                 let deferred = tctx.deferred.take();
-                let outputs = tctx.outputs_handle().clone();
+                let outputs = tctx.into_outputs();
                 self.after_process(order, deferred, outputs, ctx);
             }
             Ok(Err(TaskError::Failed(reason))) => self.failed_attempt(order, reason, ctx),

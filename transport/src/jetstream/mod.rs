@@ -441,7 +441,8 @@ fn from_header_map(map: Option<&async_nats::HeaderMap>) -> Headers {
             Some(known) => Cow::Borrowed(known),
             None => Cow::Owned(name.to_owned()),
         };
-        entries.extend(values.iter().map(|v| (name.clone(), HeaderText::Owned(v.as_str().to_owned()))));
+        // Shared text: the task's message id shares it instead of copying it.
+        entries.extend(values.iter().map(|v| (name.clone(), HeaderText::Shared(Arc::from(v.as_str())))));
     }
     Headers::from(entries)
 }

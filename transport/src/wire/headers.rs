@@ -255,6 +255,11 @@ impl Headers {
         self.entries.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
+    /// The first value of `name`, as held (to share it without a copy).
+    pub fn get_text(&self, name: &str) -> Option<&HeaderText> {
+        self.entries.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v)
+    }
+
     /// Removes every value of `name`.
     pub fn remove(&mut self, name: &str) {
         if !self.entries.iter().any(|(n, _)| n.eq_ignore_ascii_case(name)) {

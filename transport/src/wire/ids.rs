@@ -33,6 +33,14 @@ impl MessageId {
         Self(Arc::from(id.as_ref()))
     }
 
+    /// The id in a header value, sharing its text when the value is shared.
+    pub fn from_header(id: &super::HeaderText) -> Self {
+        match id {
+            super::HeaderText::Shared(text) => Self(text.clone()),
+            other => Self::from_wire(other.as_str()),
+        }
+    }
+
     /// The id of the `index`-th output (counting from 0) produced while processing the
     /// message with this id: `UUIDv5(OUTPUT_ID_NAMESPACE, "<this id>/<index>")`, where
     /// `<index>` is written in decimal. See `docs/wire-format.md`.
