@@ -611,10 +611,36 @@ impl Inner {
     }
 
     /// `msg` as async-nats publishes it.
+    /// Sends a pull request for up to `max` messages, waiting at most `expires` for the
+    /// first, and returns the subscription they arrive on. Plain core NATS, as async-nats' fetch
+    /// does it, but its messages are read as they are: async-nats wraps each in a
+    /// JetStream message holding a clone of its context, made and dropped per message.
+    async fn pull(
+        &self,
+        stream: &str,
+        consumer: &str,
+        max: usize,
+        expires: Duration,
+    ) -> Result<async_nats::Subscriber, async_nats::Error> {
+        let inbox = self.client.new_inbox();
+        let sub = self.client.subscribe(inbox.clone()).await?;
+        // As async-nats' fetch: no_wait with an expiry returns what is there, or waits
+        // (up to the expiry) for the first message, then ends with a 404 status.
+        let request = serde_json::json!({ "batch": max, "expires": expires.as_nanos() as u64, "no_wait": true });
+        self.client
+            .publish_with_reply(
+                format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"),
+                inbox,
+                Bytes::from(request.to_string()),
+            )
+            .await?;
+        Ok(sub)
+    }
+
     /// A pulled message as a delivery. `shared` keeps the last stream and consumer names
     /// and subject, so the messages of one claim share them instead of allocating their own.
-    fn delivery(msg: jetstream::Message, shared: &mut SharedNames) -> Option<Delivery> {
-        let reply = msg.message.reply.clone()?;
+    fn delivery(&self, message: async_nats::Message, shared: &mut SharedNames) -> Option<Delivery> {
+        let reply = message.reply.clone()?;
         // The common reply form is parsed here, without async-nats' per-token
         // iterator and date conversion (this runs for every delivery); any other form
         // goes through async-nats.
@@ -631,7 +657,8 @@ impl Inner {
                     published: SystemTime::UNIX_EPOCH + Duration::from_nanos(a.timestamp_ns),
                 }
             }
-            None => match msg.info() {
+            // async-nats reads the other forms (with a domain) from a JetStream message.
+            None => match (jetstream::Message { message: message.clone(), context: self.js.clone() }).info() {
                 Ok(info) => {
                     let (stream, consumer) = shared.names(info.stream, info.consumer);
                     DeliveryInfo {
@@ -645,12 +672,11 @@ impl Inner {
                     }
                 }
                 Err(e) => {
-                    warn!(error = %e, subject = %msg.subject, "pulled message without JetStream metadata; skipped");
+                    warn!(error = %e, subject = %message.subject, "pulled message without JetStream metadata; skipped");
                     return None;
                 }
             },
         };
-        let message = msg.message;
         Some(Delivery {
             subject: shared.subject(message.subject.as_str()),
             headers: from_header_map(message.headers.as_ref()),
@@ -948,26 +974,45 @@ impl Broker for JetStreamBroker {
             let started = tokio::time::Instant::now();
             // The server needs an expiry of at least a millisecond or so to answer 408.
             let expires = max_wait.max(Duration::from_millis(10));
-            let pc = inner.consumer_handle(&stream, &consumer).await?;
+            // Known to exist (the handle is cached after the first look-up).
+            inner.consumer_handle(&stream, &consumer).await?;
             let op = || format!("claim from consumer {consumer} of {stream}");
-            let mut batch = match pc.fetch().max_messages(max).expires(expires).messages().await {
+            let mut batch = match inner.pull(&stream, &consumer, max, expires).await {
                 Ok(b) => b,
-                Err(e) => {
-                    if consumer_missing(&e) {
-                        inner.consumers.remove(&(stream.clone(), consumer.clone()));
-                        return Err(BrokerError::ConsumerNotFound { stream, consumer });
-                    }
-                    return Err(BrokerError::Disconnected { operation: op(), reason: e.to_string() });
-                }
+                Err(e) => return Err(BrokerError::Disconnected { operation: op(), reason: e.to_string() }),
             };
+            // The request ends when the server says so (408 at its expiry, 404 for a
+            // no-wait pull) or after `max` messages; the client gives up a few seconds
+            // after the expiry in case that status was lost.
+            let give_up = tokio::time::sleep(expires.saturating_add(Duration::from_secs(5)));
+            tokio::pin!(give_up);
             let mut out = Vec::with_capacity(max.min(1024));
             let mut shared = SharedNames::default();
-            while let Some(next) = batch.next().await {
-                match next {
-                    Ok(msg) => out.extend(Inner::delivery(msg, &mut shared)),
-                    Err(e) => {
-                        let text = e.to_string();
-                        if text.contains("409") {
+            while out.len() < max {
+                let msg = tokio::select! {
+                    msg = batch.next() => msg,
+                    () = &mut give_up => None,
+                };
+                let Some(msg) = msg else { break };
+                match msg.status {
+                    None | Some(async_nats::StatusCode::OK) => out.extend(inner.delivery(msg, &mut shared)),
+                    Some(async_nats::StatusCode::TIMEOUT | async_nats::StatusCode::NOT_FOUND) => break,
+                    Some(async_nats::StatusCode::IDLE_HEARTBEAT) => {}
+                    Some(async_nats::StatusCode::NO_RESPONDERS) => {
+                        // Nobody serves the consumer: it is gone (or JetStream is down).
+                        // The next claim looks it up again.
+                        inner.consumers.remove(&(stream.clone(), consumer.clone()));
+                        if out.is_empty() {
+                            return Err(BrokerError::Disconnected {
+                                operation: op(),
+                                reason: "no responders: the consumer is gone or JetStream is unavailable".into(),
+                            });
+                        }
+                        break;
+                    }
+                    Some(status) => {
+                        let text = format!("{status}: {}", msg.description.as_deref().unwrap_or(""));
+                        if status.as_u16() == 409 {
                             // E.g. `Exceeded MaxWaiting` on 2.9 or `Consumer Deleted`:
                             // never re-pull at once, wait out this claim's window.
                             warn!(error = %text, stream = %stream, consumer = %consumer, "pull refused; backing off");
