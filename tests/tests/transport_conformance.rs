@@ -50,6 +50,7 @@ conformance!(
     term_removes_from_work_queue,
     dedupe_by_message_id,
     ack_all_acks_the_prefix,
+    explicit_acks_out_of_order_move_the_floor_over_the_acked_prefix,
     reset_consumer_resumes_at_the_committed_position,
     publish_batch_is_ordered,
     pipelined_publishes_keep_call_order,
@@ -286,6 +287,33 @@ mod cases {
         let got = b.claim("Q", "w", 10, WAIT).await.expect("claim");
         let bodies: Vec<_> = got.iter().map(|d| d.payload.clone()).collect();
         assert_eq!(bodies, vec![Bytes::from("one"), Bytes::from("three")]);
+    }
+
+    pub async fn explicit_acks_out_of_order_move_the_floor_over_the_acked_prefix(b: SharedBroker) {
+        b.ensure_stream(StreamSpec::new("E", vec!["e.>".into()], Retention::Limits)).await.expect("stream");
+        b.ensure_consumer("E", ConsumerSpec { max_deliver: None, ..consumer("x", 30_000) }).await.expect("consumer");
+        for i in 0..5 {
+            publish(&b, "e.a", &format!("{i}")).await;
+        }
+        let got = b.claim("E", "x", 5, WAIT).await.expect("claim");
+        assert_eq!(got.len(), 5);
+        let floor = |b: SharedBroker| async move {
+            let c = b.consumer_state("E", "x").await.expect("state");
+            (c.ack_floor, c.num_ack_pending)
+        };
+        for (ack, want) in [(1, (0, 4)), (3, (0, 3)), (0, (2, 2)), (4, (2, 1)), (2, (5, 0))] {
+            b.ack_confirmed(&got[ack].token, AckKind::Ack).await.expect("ack");
+            assert_eq!(floor(b.clone()).await, want, "after acking seq {}", ack + 1);
+        }
+        // In order from here on: the floor follows each ack.
+        for i in 5..8 {
+            publish(&b, "e.a", &format!("{i}")).await;
+        }
+        let more = b.claim("E", "x", 3, WAIT).await.expect("claim");
+        for (i, d) in more.iter().enumerate() {
+            b.ack_confirmed(&d.token, AckKind::Ack).await.expect("ack");
+            assert_eq!(floor(b.clone()).await, (6 + i as u64, 2 - i as u64));
+        }
     }
 
     pub async fn ack_all_acks_the_prefix(b: SharedBroker) {

@@ -9,6 +9,7 @@ use crate::broker::{
 };
 use crate::wire::Headers;
 use bytes::Bytes;
+use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -94,8 +95,9 @@ pub(crate) struct Stream {
     pub name: Arc<str>,
     pub msgs: BTreeMap<u64, Stored>,
     pub last_seq: u64,
-    pub by_subject: HashMap<Arc<str>, BTreeSet<u64>>,
-    pub dedupe: HashMap<String, u64>,
+    // Fx hashing: these are looked up for every message stored, taken and acked.
+    pub by_subject: FxHashMap<Arc<str>, BTreeSet<u64>>,
+    pub dedupe: FxHashMap<String, u64>,
     pub dedupe_order: VecDeque<(Instant, String)>,
     pub consumers: BTreeMap<String, Consumer>,
     /// Which consumers a subject can match, so a message touches only those.
@@ -110,7 +112,7 @@ pub(crate) struct Stream {
 /// removal must not test every one of them.
 #[derive(Debug, Default)]
 pub(crate) struct ConsumerIndex {
-    exact: HashMap<String, Vec<String>>,
+    exact: FxHashMap<String, Vec<String>>,
     other: BTreeSet<String>,
 }
 
@@ -165,8 +167,8 @@ impl Stream {
             spec,
             msgs: BTreeMap::new(),
             last_seq: 0,
-            by_subject: HashMap::new(),
-            dedupe: HashMap::new(),
+            by_subject: FxHashMap::default(),
+            dedupe: FxHashMap::default(),
             dedupe_order: VecDeque::new(),
             consumers: BTreeMap::new(),
             index: ConsumerIndex::default(),
@@ -524,24 +526,41 @@ impl Stream {
                 ),
             });
         }
-        // First deliveries.
-        let exact = c.spec.filter_subject.clone().filter(|f| !f.contains(['*', '>']));
-        while out.len() < max && c.spec.max_ack_pending.is_none_or(|cap| c.pending.len() < cap as usize) {
-            let next = match &exact {
-                Some(f) => by_subject.get(f.as_str()).and_then(|s| s.range(c.next_seq..).next().copied()),
-                None => msgs.range(c.next_seq..).find(|(_, m)| c.matches(&m.subject)).map(|(s, _)| *s),
+        // First deliveries: one walk over the messages at or after the consumer's next
+        // sequence that its filter matches (by subject when the filter is exact).
+        let filter = c.spec.filter_subject.clone();
+        let from = c.next_seq;
+        let candidates: Box<dyn Iterator<Item = (u64, &Stored)> + '_> =
+            match filter.as_deref().filter(|f| !f.contains(['*', '>'])) {
+                Some(exact) => Box::new(
+                    by_subject
+                        .get(exact)
+                        .into_iter()
+                        .flat_map(move |seqs| seqs.range(from..))
+                        .filter_map(|seq| msgs.get(seq).map(|m| (*seq, m))),
+                ),
+                None => Box::new(
+                    msgs.range(from..)
+                        .filter(|(_, m)| filter.as_deref().is_none_or(|f| subject_matches(f, &m.subject)))
+                        .map(|(seq, m)| (*seq, m)),
+                ),
             };
-            let Some(seq) = next else {
-                c.next_seq = c.next_seq.max(spec_last(msgs) + 1);
+        let mut exhausted = true;
+        for (seq, m) in candidates {
+            if out.len() >= max || c.spec.max_ack_pending.is_some_and(|cap| c.pending.len() >= cap as usize) {
+                exhausted = false;
                 break;
-            };
-            let Some(m) = msgs.get(&seq) else { break };
+            }
             c.next_seq = seq + 1;
             c.num_pending = c.num_pending.saturating_sub(1);
             c.last_delivered = c.last_delivered.max(seq);
             c.pending.insert(seq, Pending { count: 1, deadline: now + ack_wait });
             let d = make(c, seq, m, 1);
             out.push(d);
+        }
+        if exhausted {
+            // Nothing more matches: later messages start after the stream's last.
+            c.next_seq = c.next_seq.max(spec_last(msgs) + 1);
         }
         let remaining = c.num_pending;
         let n = out.len() as u64;
@@ -578,8 +597,18 @@ impl Stream {
             AckKind::Ack | AckKind::Term => {
                 if c.pending.remove(&seq).is_some() {
                     done.push(seq);
-                    c.acked_above.insert(seq);
-                    c.advance_floor();
+                    let lowest_held = [c.pending.keys().next(), c.stranded.iter().next()].into_iter().flatten().min();
+                    if c.acked_above.is_empty() && lowest_held.is_none_or(|&low| seq < low) {
+                        // Acked in order (the usual case): the floor moves up to it, with
+                        // nothing to remember above it.
+                        c.ack_floor = c.ack_floor.max(seq);
+                        if lowest_held.is_none() {
+                            c.ack_floor = c.ack_floor.max(c.last_delivered);
+                        }
+                    } else {
+                        c.acked_above.insert(seq);
+                        c.advance_floor();
+                    }
                 }
             }
             AckKind::Nak(delay) => {
@@ -646,7 +675,7 @@ pub(crate) struct Subscription {
 #[derive(Default)]
 pub(crate) struct State {
     pub streams: BTreeMap<String, Stream>,
-    pub route_cache: HashMap<String, Option<String>>,
+    pub route_cache: FxHashMap<String, Option<String>>,
     pub subs: Vec<Subscription>,
     pub next_id: u64,
     pub queue_rr: u64,
