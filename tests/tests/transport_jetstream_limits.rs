@@ -133,7 +133,8 @@ async fn a_reset_racing_provisioning_nodes_still_starts_at_its_sequence() {
 /// a transient error after which the worker publishes the same messages again (their
 /// ids deduplicate). The batch gives its window permits back, and so does a batch whose
 /// future is dropped: once the server answers again, a batch far larger than the window
-/// still goes through, which it could not if a permit had leaked.
+/// still goes through, which it could not if a permit had leaked (nor if one taken by a
+/// batch dropped halfway through sending had).
 #[tokio::test]
 async fn a_batch_whose_acks_do_not_come_times_out_and_gives_its_window_back() {
     use flotilla_transport::broker::{BrokerError, OutboundMessage};
@@ -166,6 +167,11 @@ async fn a_batch_whose_acks_do_not_come_times_out_and_gives_its_window_back() {
         .expect("the timed-out batch gave its permits back")
         .expect("queued");
     drop(dropped);
+    // A batch larger than the window, dropped while it waits for permits halfway
+    // through sending: what it took comes back too.
+    let halfway =
+        tokio::time::timeout(Duration::from_millis(500), broker.publish_pipelined_batch(batch("h", 40))).await;
+    assert!(halfway.is_err(), "40 messages cannot all be sent through 16 permits while no ack comes");
     server.signal("CONT");
     let stored = tokio::time::timeout(Duration::from_secs(20), broker.publish_pipelined_batch(batch("c", 200)))
         .await
@@ -175,5 +181,6 @@ async fn a_batch_whose_acks_do_not_come_times_out_and_gives_its_window_back() {
     // Publishing the timed-out batch again stores nothing twice.
     let again = broker.publish_pipelined_batch(batch("a", 10)).await.expect("queued");
     again.await.expect("stored");
-    assert_eq!(broker.stream_state("T").await.expect("state").messages, 220);
+    // a, b and c, and the 16 of h that went out before it was dropped.
+    assert_eq!(broker.stream_state("T").await.expect("state").messages, 236);
 }

@@ -97,7 +97,7 @@ impl BatchState {
 }
 
 /// What the server answered to one publish.
-#[derive(Deserialize)]
+#[derive(Debug, Deserialize)]
 struct Reply<'a> {
     #[serde(default)]
     error: Option<ApiError>,
@@ -109,7 +109,7 @@ struct Reply<'a> {
     duplicate: bool,
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Deserialize)]
 struct ApiError {
     #[serde(default)]
     code: u16,
@@ -140,8 +140,13 @@ impl Shared {
         self.window.add_permits(1);
         match result {
             Ok(ack) => {
+                // Only a caller that wants each ack gets one (and its stream name copied).
                 if let Some(slot) = b.acks.get_mut(index) {
-                    *slot = Some(Ok(ack));
+                    *slot = Some(Ok(PublishAck {
+                        stream: ack.stream.into_owned(),
+                        seq: ack.seq,
+                        duplicate: ack.duplicate,
+                    }));
                 }
             }
             Err(e) => {
@@ -175,8 +180,9 @@ fn parse_reply_subject(subject: &str, prefix: &str) -> Option<(u64, usize)> {
     Some((batch.parse().ok()?, index.parse().ok()?))
 }
 
-/// The publish ack of `out`, or why the server refused it.
-fn publish_result(out: &OutboundMessage, msg: &async_nats::Message) -> BrokerResult<PublishAck> {
+/// The publish ack of `out` (its stream name borrowed from the reply), or why the server
+/// refused it.
+fn publish_result<'a>(out: &OutboundMessage, msg: &'a async_nats::Message) -> BrokerResult<Reply<'a>> {
     if msg.status == Some(StatusCode::NO_RESPONDERS) {
         return Err(BrokerError::NoStream { subject: out.subject.clone() });
     }
@@ -184,7 +190,7 @@ fn publish_result(out: &OutboundMessage, msg: &async_nats::Message) -> BrokerRes
         BrokerError::other(format!("publish to {}", out.subject), format!("unreadable publish ack: {e}"))
     })?;
     match reply.error {
-        None => Ok(PublishAck { stream: reply.stream.into_owned(), seq: reply.seq, duplicate: reply.duplicate }),
+        None => Ok(reply),
         Some(e) if e.err_code == WRONG_LAST_SEQUENCE => Err(BrokerError::WrongLastSequence {
             subject: out.subject.clone(),
             expected: out.expected_last_subject_seq.unwrap_or(0),
@@ -204,6 +210,9 @@ pub(super) struct Batch {
     want: Want,
     /// Messages sent (the registry learns the count when the batch is sealed).
     sent: usize,
+    /// Window permits taken for messages not sent yet (given back when it is dropped
+    /// while sending).
+    credits: usize,
     /// When its last message was sent; its acks are due a timeout later.
     sealed_at: tokio::time::Instant,
     timeout: Duration,
@@ -211,6 +220,7 @@ pub(super) struct Batch {
 
 impl Drop for Batch {
     fn drop(&mut self) {
+        self.shared.window.add_permits(std::mem::take(&mut self.credits));
         self.shared.abandon(self.id, self.sent);
     }
 }
@@ -343,10 +353,10 @@ impl Publisher {
             id,
             want,
             sent: 0,
+            credits: 0,
             sealed_at: tokio::time::Instant::now(),
             timeout: self.timeout,
         };
-        let mut credits = 0usize;
         let mut refused: Vec<(usize, BrokerError)> = Vec::new();
         let mut reply = String::with_capacity(self.shared.prefix.len() + 24);
         let mut last_subject: Option<(&str, async_nats::Subject)> = None;
@@ -360,15 +370,15 @@ impl Publisher {
                     }
                     Err(e) => return Err(e),
                 };
-                if credits == 0 {
+                if batch.credits == 0 {
                     let want = (msgs.len() - i).min(CREDIT_CHUNK).min(self.shared.window_size);
                     // The semaphore is never closed.
                     if let Ok(permits) = self.shared.window.acquire_many(want as u32).await {
                         permits.forget();
-                        credits = want;
+                        batch.credits = want;
                     }
                 }
-                credits = credits.saturating_sub(1);
+                batch.credits = batch.credits.saturating_sub(1);
                 reply.clear();
                 reply.push_str(&self.shared.prefix);
                 {
@@ -399,9 +409,7 @@ impl Publisher {
             Ok(())
         }
         .await;
-        if credits > 0 {
-            self.shared.window.add_permits(credits);
-        }
+        self.shared.window.add_permits(std::mem::take(&mut batch.credits));
         result?;
         batch.sealed_at = tokio::time::Instant::now();
         let mut reg = self.shared.registry();
@@ -456,28 +464,26 @@ mod tests {
     #[test]
     fn publish_acks_and_refusals_are_read() {
         let out = OutboundMessage::new("a.b", "x");
-        let ack = publish_result(&out, &message(r#"{"stream":"S","seq":42}"#, None)).expect("ack");
-        assert_eq!(ack, PublishAck { stream: "S".into(), seq: 42, duplicate: false });
-        let dup = publish_result(&out, &message(r#"{"stream":"S","seq":42,"duplicate":true}"#, None)).expect("ack");
-        assert!(dup.duplicate);
-        let none = publish_result(&out, &message("", Some(StatusCode::NO_RESPONDERS)));
+        let msg = message(r#"{"stream":"S","seq":42}"#, None);
+        let ack = publish_result(&out, &msg).expect("ack");
+        assert_eq!((&*ack.stream, ack.seq, ack.duplicate), ("S", 42, false));
+        let msg = message(r#"{"stream":"S","seq":42,"duplicate":true}"#, None);
+        assert!(publish_result(&out, &msg).expect("ack").duplicate);
+        let msg = message("", Some(StatusCode::NO_RESPONDERS));
+        let none = publish_result(&out, &msg).map(|_| ());
         assert!(matches!(none, Err(BrokerError::NoStream { ref subject }) if subject == "a.b"), "{none:?}");
         let mut expecting = OutboundMessage::new("a.b", "x");
         expecting.expected_last_subject_seq = Some(7);
-        let wrong = publish_result(
-            &expecting,
-            &message(
-                r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 9"},"stream":"S","seq":0}"#,
-                None,
-            ),
+        let msg = message(
+            r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 9"},"stream":"S","seq":0}"#,
+            None,
         );
+        let wrong = publish_result(&expecting, &msg).map(|_| ());
         assert!(matches!(wrong, Err(BrokerError::WrongLastSequence { expected: 7, .. })), "{wrong:?}");
-        let full = publish_result(
-            &out,
-            &message(r#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#, None),
-        );
-        let text = full.expect_err("refused").to_string();
+        let msg = message(r#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#, None);
+        let text = publish_result(&out, &msg).map(|_| ()).expect_err("refused").to_string();
         assert!(text.contains("maximum messages exceeded") && text.contains("a.b"), "{text}");
-        assert!(publish_result(&out, &message("not json", None)).is_err());
+        let msg = message("not json", None);
+        assert!(publish_result(&out, &msg).is_err());
     }
 }
