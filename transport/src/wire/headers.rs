@@ -252,12 +252,20 @@ impl Headers {
 
     /// The first value of `name`.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.entries.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.get_text(name).map(HeaderText::as_str)
     }
 
     /// The first value of `name`, as held (to share it without a copy).
     pub fn get_text(&self, name: &str) -> Option<&HeaderText> {
-        self.entries.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v)
+        // Names are nearly always spelled as sent (Flotilla's own are the constants of
+        // this module): the first entry equal as written is the first equal ignoring
+        // case unless an earlier one differs only in case, which the check rules out.
+        let exact = self.entries.iter().position(|(n, _)| **n == *name);
+        let first = match exact {
+            Some(at) if !self.entries[..at].iter().any(|(n, _)| n.eq_ignore_ascii_case(name)) => at,
+            _ => self.entries.iter().position(|(n, _)| n.eq_ignore_ascii_case(name))?,
+        };
+        Some(&self.entries[first].1)
     }
 
     /// Removes every value of `name`.
@@ -342,6 +350,19 @@ mod tests {
         assert_eq!(h.len(), 3);
         h.remove(KEY);
         assert_eq!(h.len(), 1);
+    }
+
+    #[test]
+    fn get_finds_the_first_value_ignoring_case_whatever_the_spelling_asked() {
+        let mut h = Headers::new().with(MSG_ID, "id").with(KEY, "k1");
+        h.append("flotilla-key", "k2");
+        assert_eq!(h.get(KEY), Some("k1"));
+        assert_eq!(h.get("flotilla-key"), Some("k1"), "the first of the spellings, not the exact one");
+        assert_eq!(h.get("FLOTILLA-KEY"), Some("k1"));
+        assert_eq!(h.get(TRACEPARENT), None);
+        let mut later = Headers::new().with("flotilla-key", "lower");
+        later.append(KEY, "exact");
+        assert_eq!(later.get(KEY), Some("lower"));
     }
 
     #[test]
