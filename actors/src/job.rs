@@ -361,7 +361,7 @@ impl Job {
                         // This node owns every partition: take over what a dead
                         // previous owner left unacked, at the committed position.
                         let spec = partition_spec(&subjects, t, &name, p);
-                        topology::take_over_partition(&broker, &js_stream, spec.clone()).await?;
+                        let resumed = topology::take_over_partition(&broker, &js_stream, spec.clone()).await?;
                         let mut s = slot(
                             t,
                             &env,
@@ -374,6 +374,7 @@ impl Job {
                         );
                         // A restarted task resumes at the committed position.
                         s.takeover = Some(spec);
+                        s.delivered_consumer_seq = Some(resumed.delivered_consumer_seq);
                         slots.push(s);
                     }
                 }
@@ -727,6 +728,7 @@ fn slot(
         slot: index,
         epoch,
         fence: fence.clone(),
+        delivered_consumer_seq: None,
     };
     SlotSpec {
         stream: t.stream.to_owned(),
@@ -737,11 +739,14 @@ fn slot(
         policy: t.config.failure_policy,
         sweep: matches!(t.kind, StreamKind::Queue),
         takeover: None,
+        delivered_consumer_seq: None,
         epoch,
         fence,
         paused: false,
         spawn: Box::new(move |sc| {
-            starter(env.clone(), Binding { slot: sc.slot, ..binding.clone() }, config.clone(), sc)
+            let binding =
+                Binding { slot: sc.slot, delivered_consumer_seq: sc.delivered_consumer_seq, ..binding.clone() };
+            starter(env.clone(), binding, config.clone(), sc)
         }),
     }
 }

@@ -894,3 +894,63 @@ async fn a_callback_with_many_outputs_publishes_them_all_in_order() {
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// A delivery that never reaches the worker (a pull answered after its client gave up,
+/// a connection cut mid-batch, a stale puller) must not be covered by a later ack-all.
+/// Here the task itself plays the stale puller: on a `steal` record it publishes three
+/// more records to its own partition and claims them from the partition's consumer
+/// before the worker can, dropping them. The worker's next delivery then skips three
+/// consumer sequence numbers; it commits what it has, the partition is reset at its
+/// committed position, and the stolen records are processed after all.
+#[actix_rt::test]
+async fn a_delivery_lost_in_transit_is_processed_after_a_reset_never_acked_unprocessed() {
+    tokio::time::pause();
+    struct Thief {
+        broker: SharedBroker,
+    }
+    impl Task for Thief {
+        type Input = Record;
+        async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+            CALLS.with(|c| *c.borrow_mut().entry(r.id).or_default() += 1);
+            if r.body == "steal" && ctx.message().is_some_and(|m| m.attempt == 1) {
+                let p = ctx.partition().expect("ordered");
+                for id in 1000..1003 {
+                    let payload = codec().encode(&Record { id, body: "stolen".into() }).expect("encode");
+                    let msg = OutboundMessage::new(format!("flotilla.t.in.{p}"), payload)
+                        .with_id(format!("in-{id}"))
+                        .with_header(headers::KEY, id.to_string());
+                    self.broker.publish(msg).await.expect("publish");
+                }
+                let stolen = self.broker.claim("FLOTILLA_t_in", &format!("in-p{p}"), 3, Duration::from_millis(1)).await;
+                assert_eq!(stolen.map(|d| d.len()).ok(), Some(3), "the thief got the three records");
+            }
+            ctx.send(&OUT, &r.id.to_string(), &r).await
+        }
+    }
+    let b = EmbeddedBroker::new().shared();
+    let thief = b.clone();
+    let job = Job::new("t").task(IN, move |_| Thief { broker: thief.clone() }).start(b.clone()).await.expect("start");
+    for id in 0..40 {
+        publish(&b, "in", true, id, if id == 5 { "steal" } else { "ok" }).await;
+    }
+    wait_for(&b, "FLOTILLA_t_out", 40).await;
+    // Later records of the same partition arrive after the gap.
+    for id in 40..80 {
+        publish(&b, "in", true, id, "ok").await;
+    }
+    wait_for(&b, "FLOTILLA_t_out", 83).await;
+    let out = read_all(&b, "FLOTILLA_t_out", None).await;
+    let mut ids: Vec<u64> = out.iter().map(|(_, r, _)| r.id).collect();
+    ids.sort_unstable();
+    let expected: Vec<u64> = (0..80).chain(1000..1003).collect();
+    assert_eq!(ids, expected, "every record once, the stolen ones included");
+    for id in 1000..1003 {
+        assert!(calls(id) >= 1, "stolen record {id} was processed");
+    }
+    job.stop();
+    job.wait().await.expect("clean stop");
+    for p in 0..4 {
+        let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
+        assert_eq!((c.num_pending, c.num_ack_pending), (0, 0), "partition {p}: {c:?}");
+    }
+}

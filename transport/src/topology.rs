@@ -3,7 +3,9 @@
 //! These are plain [`StreamSpec`] / [`ConsumerSpec`] / [`KvSpec`] builders; the broker's
 //! `ensure_*` methods create them idempotently and refuse a mismatching existing config.
 
-use crate::broker::{AckPolicy, BrokerResult, ConsumerSpec, KvSpec, Retention, SharedBroker, StreamSpec};
+use crate::broker::{
+    AckPolicy, BrokerResult, ConsumerSpec, ConsumerState, KvSpec, Retention, SharedBroker, StreamSpec,
+};
 use crate::wire::{StreamName, Subjects};
 use std::time::Duration;
 
@@ -104,16 +106,24 @@ pub async fn provision_ordered(
 }
 
 /// Takes over an ordered partition: when its consumer delivered beyond the committed
-/// position (a previous owner died, or handed over what it had claimed but not
-/// started), recreates it at the committed position so processing resumes at once, in
-/// order, and as first deliveries. Returns whether it reset the consumer.
+/// position (a previous owner died, handed over what it had claimed but not started,
+/// or a delivery was lost in transit), recreates it at the committed position so
+/// processing resumes at once, in order, and as first deliveries. Returns the state the
+/// partition resumes from: its `delivered_consumer_seq` is the delivery the new
+/// owner's first one must follow (0 after a reset).
 ///
 /// # Errors
-/// Whatever the broker returns.
-pub async fn take_over_partition(broker: &SharedBroker, js_stream: &str, spec: ConsumerSpec) -> BrokerResult<bool> {
+/// Whatever the broker returns. A caller must not consume the partition after an
+/// error: its consumer may still hold another owner's deliveries, and an ack-all would
+/// cover them.
+pub async fn take_over_partition(
+    broker: &SharedBroker,
+    js_stream: &str,
+    spec: ConsumerSpec,
+) -> BrokerResult<ConsumerState> {
     let state = broker.consumer_state(js_stream, &spec.name).await?;
     if state.num_ack_pending == 0 && state.delivered <= state.ack_floor {
-        return Ok(false);
+        return Ok(state);
     }
     tracing::info!(
         stream = js_stream,
@@ -122,8 +132,7 @@ pub async fn take_over_partition(broker: &SharedBroker, js_stream: &str, spec: C
         resume_at = state.ack_floor + 1,
         "taking over a partition with unacked deliveries: resuming at the committed position"
     );
-    broker.reset_consumer(js_stream, spec, state.ack_floor + 1).await?;
-    Ok(true)
+    broker.reset_consumer(js_stream, spec, state.ack_floor + 1).await
 }
 
 /// Provisions a queue input: its stream and its shared consumer.

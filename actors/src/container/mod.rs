@@ -54,6 +54,9 @@ pub struct SlotContext {
     pub timers: Addr<TimerService>,
     /// The node's reaper.
     pub reaper: Addr<Reaper>,
+    /// Ordered inputs: the partition consumer's delivery sequence before the worker's
+    /// first delivery (see [`Binding`](crate::task_worker::Binding)).
+    pub delivered_consumer_seq: Option<u64>,
 }
 
 /// Starts a worker for a slot.
@@ -78,6 +81,9 @@ pub struct SlotSpec {
     /// Ordered inputs: the partition consumer, reset at the committed position before a
     /// restarted task starts (so it resumes in order, at once).
     pub takeover: Option<flotilla_transport::broker::ConsumerSpec>,
+    /// Ordered inputs: the partition consumer's delivery sequence where the next worker
+    /// starts, as the last take-over read it (updated by each reset).
+    pub delivered_consumer_seq: Option<u64>,
     /// The partition's lease epoch (0 without leases).
     pub epoch: u64,
     /// Cluster mode: the partition's lease fence. Nothing is claimed for the slot, and a
@@ -117,6 +123,8 @@ struct Slot {
     restart_pending: bool,
     /// The restart is resetting the partition's consumer.
     resetting: bool,
+    /// Resets in a row that failed (the next waits longer; no worker starts meanwhile).
+    reset_failures: u32,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
     paused: bool,
@@ -144,6 +152,7 @@ impl Slot {
             restarts: 0,
             restart_pending: false,
             resetting: false,
+            reset_failures: 0,
             stopping: false,
             paused,
             step_credits: 0,
@@ -289,6 +298,7 @@ impl Container {
             container: ctx.address().recipient(),
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
+            delivered_consumer_seq: self.slots[i].spec.delivered_consumer_seq,
         };
         let handle = (self.slots[i].spec.spawn)(sc);
         if self.slots[i].paused {
@@ -454,6 +464,68 @@ impl Container {
         ctx.stop();
     }
 
+    /// Starts a new worker for slot `i`, whose task failed or whose worker lost a
+    /// delivery. An ordered partition is first reset at its committed position, and no
+    /// worker starts until a reset succeeded: a consumer still holding the old worker's
+    /// deliveries would let the new one's first ack-all cover them unprocessed.
+    fn restart(&mut self, i: usize, ctx: &mut Context<Self>) {
+        let Some(s) = self.slots.get_mut(i) else { return };
+        if self.stopping || !s.restart_pending || s.resetting {
+            return;
+        }
+        if s.spec.fence.as_ref().is_some_and(|f| !f.valid()) {
+            // The lease lapsed while the task waited: the partition (and its consumer)
+            // may be another node's now. End the slot instead.
+            s.restart_pending = false;
+            s.finished = true;
+            self.report_ended(i, Outcome::Stopped);
+            return;
+        }
+        if s.claiming {
+            // The old worker's claim is still out: what it brings goes to nobody, and
+            // the reset must come after it, or the new worker could get it.
+            let delay = (self.config.claim_wait / 8).max(Duration::from_millis(10));
+            self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Restart(i) });
+            return;
+        }
+        let Some(spec) = s.spec.takeover.clone() else {
+            s.restart_pending = false;
+            self.spawn_worker(i, ctx);
+            return;
+        };
+        s.resetting = true;
+        let broker = self.broker.clone();
+        let js = s.spec.js_stream.clone();
+        let fut = async move { flotilla_transport::topology::take_over_partition(&broker, &js, spec).await };
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            let Some(s) = act.slots.get_mut(i) else { return };
+            s.resetting = false;
+            if !s.restart_pending {
+                // Released meanwhile: it ends now that no reset is out.
+                act.report_ended(i, Outcome::Stopped);
+                return;
+            }
+            match result {
+                Ok(state) => {
+                    s.reset_failures = 0;
+                    s.spec.delivered_consumer_seq = Some(state.delivered_consumer_seq);
+                    if !act.stopping {
+                        s.restart_pending = false;
+                        act.spawn_worker(i, ctx);
+                        act.pump_slot(i, ctx);
+                    }
+                }
+                Err(e) => {
+                    s.reset_failures += 1;
+                    let base = Duration::from_millis(250).saturating_mul(1 << s.reset_failures.min(5));
+                    let delay = base.min(Duration::from_secs(5)).mul_f64(rand::rng().random_range(0.5..1.5));
+                    warn!(stream = %s.spec.stream, partition = ?s.spec.partition, error = %e, ?delay, "could not reset the partition; its task waits for the reset");
+                    act.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Restart(i) });
+                }
+            }
+        }));
+    }
+
     fn check_backlog(&mut self, ctx: &mut Context<Self>) {
         if self.backlog_check_running {
             return;
@@ -611,6 +683,13 @@ impl Handler<WorkerReport> for Container {
                             });
                         }
                     },
+                    Outcome::Resync(reason) if !self.stopping && !s.stopping => {
+                        // Not a failure: reset the partition at once and go on.
+                        info!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, "resetting the partition to its committed position");
+                        s.worker = None;
+                        s.restart_pending = true;
+                        self.restart(slot, ctx);
+                    }
                     Outcome::Drained | Outcome::EndOfStream if self.observer.is_none() => {
                         self.requests.request(slot, ShutdownScope::CurrentTask);
                         if self.requests.should_shutdown() {
@@ -637,7 +716,8 @@ impl Handler<AddSlot> for Container {
 
     fn handle(&mut self, add: AddSlot, ctx: &mut Context<Self>) -> Option<usize> {
         let factory = self.partitions.as_ref()?;
-        let spec = factory(&add.stream, add.partition, add.epoch, add.fence, add.paused)?;
+        let mut spec = factory(&add.stream, add.partition, add.epoch, add.fence, add.paused)?;
+        spec.delivered_consumer_seq = add.delivered_consumer_seq;
         let i = self.slots.len();
         info!(stream = %spec.stream, partition = ?spec.partition, epoch = spec.epoch, "consuming a partition");
         self.slots.push(Slot::new(spec));
@@ -752,45 +832,7 @@ impl Handler<Tick> for Container {
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
             Tick::Resume => {}
-            Tick::Restart(slot) if !self.stopping && self.slots.get(slot).is_some_and(|s| s.restart_pending) => {
-                let s = &mut self.slots[slot];
-                if s.spec.fence.as_ref().is_some_and(|f| !f.valid()) {
-                    // The lease lapsed while the task waited: the partition (and its
-                    // consumer) may be another node's now. End the slot instead.
-                    s.restart_pending = false;
-                    s.finished = true;
-                    self.report_ended(slot, Outcome::Stopped);
-                    return;
-                }
-                match s.spec.takeover.clone() {
-                    None => {
-                        s.restart_pending = false;
-                        self.spawn_worker(slot, ctx);
-                    }
-                    Some(spec) => {
-                        s.resetting = true;
-                        let broker = self.broker.clone();
-                        let js = s.spec.js_stream.clone();
-                        let fut =
-                            async move { flotilla_transport::topology::take_over_partition(&broker, &js, spec).await };
-                        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-                            if let Err(e) = result {
-                                warn!(error = %e, "could not reset the partition before restarting its task");
-                            }
-                            let Some(s) = act.slots.get_mut(slot) else { return };
-                            s.resetting = false;
-                            if !s.restart_pending {
-                                // Released meanwhile: it ends now that no reset is out.
-                                act.report_ended(slot, Outcome::Stopped);
-                            } else if !act.stopping {
-                                s.restart_pending = false;
-                                act.spawn_worker(slot, ctx);
-                                act.pump(ctx);
-                            }
-                        }));
-                    }
-                }
-            }
+            Tick::Restart(slot) => self.restart(slot, ctx),
             Tick::Backlog => self.check_backlog(ctx),
             Tick::Sweep => {
                 for s in self.slots.iter().filter(|s| s.spec.sweep && !s.finished) {

@@ -374,7 +374,7 @@ impl Membership {
                 let mine = target.is_some_and(|t| *t == self.s.node);
                 // A partition nobody took for a whole TTL goes to whoever gets it first.
                 if mine || now.saturating_duration_since(since) >= cfg.lease_ttl {
-                    self.acquire(part, ctx);
+                    self.acquire(part, None, ctx);
                 }
             }
         }
@@ -524,7 +524,9 @@ impl Membership {
         }
     }
 
-    fn acquire(&mut self, part: Part, ctx: &mut Context<Self>) {
+    /// Acquires `part`'s lease: creates it, or replaces it at `replace` (a lease a
+    /// dead incarnation of this node left).
+    fn acquire(&mut self, part: Part, replace: Option<u64>, ctx: &mut Context<Self>) {
         if !self.acquiring.insert(part.clone()) {
             return;
         }
@@ -536,6 +538,7 @@ impl Membership {
             bucket: self.buckets.leases.clone(),
             key: keys::lease(&part.0, part.1),
             value: self.lease_value(0),
+            replace,
             js_stream,
             consumer: Some(consumer),
         };
@@ -543,8 +546,8 @@ impl Membership {
         let fut = self.s.reaper.send(msg);
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             act.acquiring.remove(&part);
-            let revision = match result {
-                Ok(Ok(Some(rev))) => rev,
+            let acquired = match result {
+                Ok(Ok(Some(acquired))) => acquired,
                 Ok(Ok(None)) => return,
                 Ok(Err(e)) => {
                     debug!(stream = %part.0, partition = part.1, error = %e, "could not acquire the lease");
@@ -552,6 +555,7 @@ impl Membership {
                 }
                 Err(_) => return,
             };
+            let revision = acquired.revision;
             let fence = Fence::until(act.valid_after(sent));
             if act.leaving.is_some() || !act.registered {
                 // Too late: give it back.
@@ -560,8 +564,14 @@ impl Membership {
                 return;
             }
             let paused = act.paused.covers(&part.0, Some(part.1));
-            let spec =
-                AddSlot { stream: part.0.clone(), partition: part.1, epoch: revision, fence: fence.clone(), paused };
+            let spec = AddSlot {
+                stream: part.0.clone(),
+                partition: part.1,
+                epoch: revision,
+                fence: fence.clone(),
+                paused,
+                delivered_consumer_seq: acquired.delivered_consumer_seq,
+            };
             info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
             act.unleased_since.remove(&part);
             act.held.insert(part.clone(), Held::new(revision, fence));

@@ -29,11 +29,12 @@ pub struct Sweep {
     pub consumer: String,
 }
 
-/// Acquire an expired (absent) partition lease: create it, then take the partition's
-/// consumer over at the committed position. Returns the lease revision (the epoch), or
+/// Acquire a partition lease: create it when absent (expired), or replace it at
+/// `replace` (a lease left by a dead incarnation of this node), then take the
+/// partition's consumer over at the committed position. Returns what was acquired, or
 /// `None` when another node got it first.
 #[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<Option<u64>, BrokerError>")]
+#[rtype(result = "Result<Option<Acquired>, BrokerError>")]
 pub struct AcquireLease {
     /// The lease bucket.
     pub bucket: String,
@@ -41,11 +42,23 @@ pub struct AcquireLease {
     pub key: String,
     /// The lease value.
     pub value: bytes::Bytes,
+    /// Replace the lease at this revision instead of creating it.
+    pub replace: Option<u64>,
     /// The partition's JetStream stream.
     pub js_stream: String,
     /// The partition's consumer, recreated at the committed position when a previous
     /// owner left deliveries behind.
     pub consumer: Option<flotilla_transport::broker::ConsumerSpec>,
+}
+
+/// A lease acquired by [`AcquireLease`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Acquired {
+    /// The lease's revision: the partition's fencing epoch.
+    pub revision: u64,
+    /// The partition consumer's delivery sequence where the new owner starts (after
+    /// the take-over), when a consumer was given.
+    pub delivered_consumer_seq: Option<u64>,
 }
 
 /// Remove what departed nodes left behind in the control bucket (`stop.<node>` keys).

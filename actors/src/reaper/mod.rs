@@ -13,7 +13,7 @@
 
 mod messages;
 
-pub use messages::{AcquireLease, DeadLetter, Sweep, Tidy};
+pub use messages::{AcquireLease, Acquired, DeadLetter, Sweep, Tidy};
 
 use crate::events::{Event, emit};
 use actix::prelude::*;
@@ -142,30 +142,39 @@ impl Handler<Sweep> for Reaper {
 }
 
 impl Handler<AcquireLease> for Reaper {
-    type Result = ResponseFuture<Result<Option<u64>, BrokerError>>;
+    type Result = ResponseFuture<Result<Option<Acquired>, BrokerError>>;
 
     fn handle(&mut self, msg: AcquireLease, _: &mut Context<Self>) -> Self::Result {
         let broker = self.broker.clone();
         Box::pin(async move {
-            let revision = match broker.kv_create(&msg.bucket, &msg.key, msg.value).await {
+            let written = match msg.replace {
+                None => broker.kv_create(&msg.bucket, &msg.key, msg.value).await,
+                Some(previous) => broker.kv_update(&msg.bucket, &msg.key, msg.value, previous).await,
+            };
+            let revision = match written {
                 Ok(rev) => rev,
                 Err(BrokerError::KvKeyExists { .. } | BrokerError::KvWrongRevision { .. }) => return Ok(None),
                 Err(e) => return Err(e),
             };
-            if let Some(spec) = msg.consumer
-                && let Err(e) = flotilla_transport::topology::take_over_partition(&broker, &msg.js_stream, spec).await
-            {
-                // Give the lease back rather than run the partition from wherever its
-                // consumer is now: one re-created by a node provisioning meanwhile
-                // starts at sequence 1, and would process the partition again. The
-                // next acquisition (here or elsewhere) tries the reset again.
-                tracing::warn!(key = %msg.key, error = %e, "could not reset the partition's consumer after acquiring it; giving the lease back");
-                if let Err(d) = broker.kv_delete(&msg.bucket, &msg.key, Some(revision)).await {
-                    tracing::warn!(key = %msg.key, error = %d, "could not give the lease back; it expires after its TTL");
+            let Some(spec) = msg.consumer else {
+                return Ok(Some(Acquired { revision, delivered_consumer_seq: None }));
+            };
+            match flotilla_transport::topology::take_over_partition(&broker, &msg.js_stream, spec).await {
+                Ok(state) => {
+                    Ok(Some(Acquired { revision, delivered_consumer_seq: Some(state.delivered_consumer_seq) }))
                 }
-                return Err(e);
+                Err(e) => {
+                    // Give the lease back rather than run the partition from wherever its
+                    // consumer is now: one re-created by a node provisioning meanwhile
+                    // starts at sequence 1, and would process the partition again. The
+                    // next acquisition (here or elsewhere) tries the reset again.
+                    tracing::warn!(key = %msg.key, error = %e, "could not reset the partition's consumer after acquiring it; giving the lease back");
+                    if let Err(d) = broker.kv_delete(&msg.bucket, &msg.key, Some(revision)).await {
+                        tracing::warn!(key = %msg.key, error = %d, "could not give the lease back; it expires after its TTL");
+                    }
+                    Err(e)
+                }
             }
-            Ok(Some(revision))
         })
     }
 }
@@ -208,6 +217,7 @@ mod tests {
             bucket: "LEASES".into(),
             key: "in.0".into(),
             value: bytes::Bytes::from_static(b"node-a"),
+            replace: None,
             js_stream: js_stream.into(),
             consumer: Some(ConsumerSpec::new("in-p0")),
         };

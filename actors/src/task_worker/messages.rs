@@ -36,6 +36,11 @@ pub enum Outcome {
     Stopped,
     /// The task failed.
     Failed(String),
+    /// Ordered inputs: a delivery of the partition was lost in transit (the consumer's
+    /// delivery sequence skipped). The worker committed what arrived before the loss
+    /// and stopped; the partition must be reset to its committed position before a
+    /// new worker consumes it. Not a failure: it spends no attempt and no restart.
+    Resync(String),
 }
 
 /// What a worker tells its container.

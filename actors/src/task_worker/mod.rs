@@ -25,10 +25,12 @@
 //! by the task's [`FailurePolicy`](crate::config::FailurePolicy), what a failed worker
 //! means: the worker itself hands back everything it holds (nak without delay) and stops.
 
+mod core;
 mod messages;
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
+use self::core::{Arrival, DeliverySequence};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::reaper::{DeadLetter, Reaper};
@@ -68,6 +70,11 @@ pub struct Binding {
     /// Whether this node may still act for the partition (cluster mode): once it is not
     /// valid, the worker starts, publishes and commits nothing more and stops.
     pub fence: Option<crate::cluster::Fence>,
+    /// Ordered inputs: the partition consumer's delivery sequence before this worker's
+    /// first delivery (0 after a reset), when known. Each delivery must follow the one
+    /// before it; one that does not means a delivery was lost, and the worker stops
+    /// committing and asks for a reset ([`Outcome::Resync`]).
+    pub delivered_consumer_seq: Option<u64>,
 }
 
 impl Binding {
@@ -186,6 +193,10 @@ pub struct TaskWorker<T: Task> {
     committed_seq: u64,
     /// Ordered inputs: the delivery whose ack-all made the last commit.
     last_commit: Option<AckToken>,
+    /// Ordered inputs: the consumer's delivery numbering, to notice a lost delivery.
+    sequence: DeliverySequence,
+    /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
+    resync: Option<String>,
     retries: VecDeque<u64>,
     due_timers: Vec<String>,
     stopping: bool,
@@ -222,6 +233,7 @@ impl<T: Task> TaskWorker<T> {
         reaper: Addr<Reaper>,
     ) -> Self {
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
+        let sequence = DeliverySequence::after(binding.delivered_consumer_seq);
         Self {
             task: Some(Box::new(task)),
             state,
@@ -236,6 +248,8 @@ impl<T: Task> TaskWorker<T> {
             max_seen_seq: 0,
             committed_seq: 0,
             last_commit: None,
+            sequence,
+            resync: None,
             retries: VecDeque::new(),
             due_timers: Vec::new(),
             stopping: false,
@@ -779,7 +793,7 @@ impl<T: Task> TaskWorker<T> {
                 return;
             }
             HookKind::Shutdown => {
-                self.finish(Outcome::Stopped, ctx);
+                self.finish(self.stopped_outcome(), ctx);
                 return;
             }
         }
@@ -900,7 +914,7 @@ impl<T: Task> TaskWorker<T> {
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
         let confirm = match (&self.last_commit, &outcome) {
-            (Some(token), Outcome::Stopped | Outcome::Drained) if !self.binding.fenced() => {
+            (Some(token), Outcome::Stopped | Outcome::Drained | Outcome::Resync(_)) if !self.binding.fenced() => {
                 Some(self.env.broker.ack_confirmed(token, AckKind::Ack))
             }
             _ => None,
@@ -922,6 +936,46 @@ impl<T: Task> TaskWorker<T> {
             .into_actor(self)
             .map(|(), _, ctx| ctx.stop()),
         );
+    }
+
+    /// Stops gracefully: hands back what has not started, finishes what has (up to the
+    /// drain timeout), commits, runs `shutdown` and ends with
+    /// [`stopped_outcome`](Self::stopped_outcome).
+    fn stop(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping || self.finished {
+            return;
+        }
+        self.stopping = true;
+        // Interrupted is not failed: hand back at once what has not started.
+        self.hand_back_unstarted();
+        let deadline = self.config.drain_timeout;
+        ctx.run_later(deadline, |act, ctx| {
+            if !act.finished {
+                warn!(stream = act.binding.stream, partition = ?act.binding.partition, in_flight = act.inflight.len(), "drain timeout: handing back in-flight messages");
+                act.release_all();
+                act.finish(act.stopped_outcome(), ctx);
+            }
+        });
+    }
+
+    /// A delivery was lost: take nothing more, finish and commit what came before the
+    /// loss (all of it arrived), and end asking for the partition to be reset at the
+    /// committed position, where the lost delivery comes again.
+    fn resync(&mut self, reason: String, ctx: &mut Context<Self>) {
+        if self.resync.is_some() || self.finished {
+            return;
+        }
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "delivery sequence broken: committing what arrived complete, then resetting the partition");
+        self.resync = Some(reason);
+        self.stop(ctx);
+    }
+
+    /// How a graceful stop ends: [`Outcome::Resync`] after a lost delivery.
+    fn stopped_outcome(&self) -> Outcome {
+        match &self.resync {
+            Some(reason) => Outcome::Resync(reason.clone()),
+            None => Outcome::Stopped,
+        }
     }
 
     /// While stopping: once nothing is in flight, commit, run `shutdown`, finish.
@@ -997,6 +1051,19 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 continue;
             }
             if self.binding.ordered() {
+                if let Arrival::Gap { expected, got } = self.sequence.arrive(d.info.consumer_seq) {
+                    // Nothing from here on is taken: an ack-all over it could cover
+                    // the lost delivery. What came before is complete and is committed.
+                    self.resync(
+                        format!(
+                            "delivery {got} of the partition's consumer arrived where {expected} was due (stream sequence {}): a delivery was lost in transit",
+                            d.info.stream_seq
+                        ),
+                        ctx,
+                    );
+                    dropped += 1;
+                    continue;
+                }
                 if d.info.stream_seq <= self.committed_seq.max(self.max_seen_seq) {
                     // A redelivery of something this worker holds or committed.
                     dropped += 1;
@@ -1027,20 +1094,7 @@ impl<T: Task> Handler<StopWorker> for TaskWorker<T> {
     type Result = ();
 
     fn handle(&mut self, _: StopWorker, ctx: &mut Context<Self>) {
-        if self.stopping || self.finished {
-            return;
-        }
-        self.stopping = true;
-        // Interrupted is not failed: hand back at once what has not started.
-        self.hand_back_unstarted();
-        let deadline = self.config.drain_timeout;
-        ctx.run_later(deadline, |act, ctx| {
-            if !act.finished {
-                warn!(stream = act.binding.stream, partition = ?act.binding.partition, in_flight = act.inflight.len(), "drain timeout: handing back in-flight messages");
-                act.release_all();
-                act.finish(Outcome::Stopped, ctx);
-            }
-        });
+        self.stop(ctx);
         self.drive(ctx);
     }
 }

@@ -316,6 +316,10 @@ pub struct ConsumerState {
     pub ack_floor: u64,
     /// Stream sequence of the last delivered message.
     pub delivered: u64,
+    /// The consumer's delivery sequence of its last delivery (0 before the first). Every
+    /// delivery, redeliveries included, takes the next number, so a reader that saw
+    /// this one knows which delivery must come next.
+    pub delivered_consumer_seq: u64,
 }
 
 /// A message to publish into a stream (or as a core message).

@@ -440,6 +440,7 @@ impl Stream {
             num_redelivered: c.pending.values().filter(|p| p.count > 1).count() as u64,
             ack_floor: c.ack_floor,
             delivered: c.last_delivered,
+            delivered_consumer_seq: c.consumer_seq,
         })
     }
 

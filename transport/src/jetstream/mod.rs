@@ -350,6 +350,7 @@ fn consumer_state(stream: &str, info: &jetstream::consumer::Info) -> ConsumerSta
         num_redelivered: info.num_redelivered as u64,
         ack_floor: info.ack_floor.stream_sequence.max(start_floor),
         delivered: info.delivered.stream_sequence,
+        delivered_consumer_seq: info.delivered.consumer_sequence,
     }
 }
 
