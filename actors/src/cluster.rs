@@ -94,6 +94,20 @@ pub struct NodeRecord {
     pub host: String,
     /// When it started (ms since the Unix epoch).
     pub started_ms: u64,
+    /// This process's incarnation of the node id (a fresh id per start): leases name it,
+    /// so a restarted node tells its dead predecessor's leases from its own.
+    #[serde(default)]
+    pub incarnation: String,
+}
+
+impl NodeRecord {
+    /// Whether this record, found under the id a process on `host` with `pid` wants,
+    /// provably belongs to a process that is gone: one on the same host whose pid is
+    /// ours (a restart that got the same pid, as in a container) or no longer alive.
+    /// Anything else may be alive: the caller waits to see whether it is renewed.
+    pub fn provably_gone(&self, host: &str, pid: u32, alive: impl Fn(u32) -> bool) -> bool {
+        self.host == host && (self.pid == pid || !alive(self.pid))
+    }
 }
 
 /// A partition's holder (LEASES bucket).
@@ -103,6 +117,22 @@ pub struct LeaseRecord {
     pub node: String,
     /// The epoch (the revision at which the holder acquired it; 0 in the first write).
     pub epoch: u64,
+    /// The holder's incarnation ([`NodeRecord::incarnation`]); empty from older nodes.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub incarnation: String,
+}
+
+impl LeaseRecord {
+    /// Whether the lease is held by this process: this node id, this incarnation.
+    pub fn held_by(&self, node: &str, incarnation: &str) -> bool {
+        self.node == node && self.incarnation == incarnation
+    }
+
+    /// Whether the lease was left by an earlier incarnation of `node` (a process that
+    /// had this id before this one took it over).
+    pub fn left_by_earlier(&self, node: &str, incarnation: &str) -> bool {
+        self.node == node && self.incarnation != incarnation
+    }
 }
 
 /// The current run (drain markers of other runs are dropped).
@@ -345,5 +375,34 @@ mod tests {
         assert!(!g.valid());
         g.extend(Instant::now() + Duration::from_secs(10));
         assert!(!g.valid(), "a revoked fence stays revoked");
+    }
+
+    #[test]
+    fn a_previous_incarnation_is_gone_only_when_provable_on_this_host() {
+        let rec = |host: &str, pid: u32| NodeRecord {
+            node: "a".into(),
+            pid,
+            host: host.into(),
+            started_ms: 0,
+            incarnation: "old".into(),
+        };
+        let alive = |pid: u32| pid == 7;
+        assert!(rec("vm", 9).provably_gone("vm", 100, alive), "same host, pid gone");
+        assert!(!rec("vm", 7).provably_gone("vm", 100, alive), "same host, pid alive: maybe the live duplicate");
+        assert!(rec("vm", 100).provably_gone("vm", 100, alive), "our own pid (a container restart): gone");
+        assert!(!rec("other", 9).provably_gone("vm", 100, alive), "another host: not provable from here");
+    }
+
+    #[test]
+    fn leases_tell_this_incarnation_from_an_earlier_one() {
+        let lease = |node: &str, inc: &str| LeaseRecord { node: node.into(), epoch: 3, incarnation: inc.into() };
+        assert!(lease("a", "i2").held_by("a", "i2"));
+        assert!(!lease("a", "i1").held_by("a", "i2"));
+        assert!(lease("a", "i1").left_by_earlier("a", "i2"));
+        assert!(!lease("b", "i1").left_by_earlier("a", "i2"), "another node's lease");
+        assert!(!lease("a", "i2").left_by_earlier("a", "i2"));
+        // A record from a node without incarnations reads as an earlier one.
+        let old: LeaseRecord = serde_json::from_str(r#"{"node":"a","epoch":3}"#).expect("old record");
+        assert!(old.left_by_earlier("a", "i2"));
     }
 }

@@ -34,6 +34,7 @@ use flotilla_transport::wire::{Codec, JobName, MessageId, NameError, StreamName,
 use std::rc::Rc;
 use std::time::Duration;
 use tokio::sync::oneshot;
+use tracing::info;
 
 /// Why a job could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +61,7 @@ pub enum JobError {
     Failed(String),
     /// Another live node of the job uses this node id.
     #[error(
-        "node id {node:?} is already alive in job {job} ({holder}); start this node with another --node-id, or wait {ttl:?} for the old entry to expire if that node is gone"
+        "node id {node:?} is already alive in job {job} ({holder}): it kept renewing its registration (every {ttl:?} at the latest) while this node watched; start this node with another --node-id"
     )]
     NodeIdTaken {
         /// The job.
@@ -69,7 +70,7 @@ pub enum JobError {
         node: String,
         /// Who holds it.
         holder: String,
-        /// When a dead holder's entry expires.
+        /// How long a holder may go without renewing before its entry expires.
         ttl: Duration,
     },
     /// The node id cannot be used in subjects and keys.
@@ -446,29 +447,35 @@ impl Job {
         }
         broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None)).await?;
 
-        let record =
-            NodeRecord { node: node.to_owned(), pid: std::process::id(), host: host_name(), started_ms: now_ms() };
+        let record = NodeRecord {
+            node: node.to_owned(),
+            pid: std::process::id(),
+            host: host_name(),
+            started_ms: now_ms(),
+            incarnation: MessageId::new_v7().to_string(),
+        };
+        let incarnation = record.incarnation.clone();
         let node_value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
         let node_revision = match broker.kv_create(&b.nodes, node, node_value.clone()).await {
             Ok(rev) => rev,
             Err(BrokerError::KvKeyExists { .. }) => {
-                let holder = match broker.kv_get(&b.nodes, node).await {
-                    Ok(Some(e)) => match serde_json::from_slice::<NodeRecord>(&e.value) {
-                        Ok(r) => format!("pid {} on {}", r.pid, r.host),
-                        Err(_) => "an entry this version cannot read".to_owned(),
-                    },
-                    _ => "an entry that is just expiring".to_owned(),
-                };
-                return Err(JobError::NodeIdTaken {
-                    job: this.name.clone(),
-                    node: node.to_owned(),
-                    holder,
-                    ttl: config.node_ttl,
-                });
+                // Restart in place: the id is this node's again if its holder is gone.
+                let beat = config.lease_ttl.min(config.node_ttl) / 4;
+                match take_over_node_id(&broker, &b.nodes, &record, node_value.clone(), beat).await? {
+                    Ok(rev) => rev,
+                    Err(holder) => {
+                        return Err(JobError::NodeIdTaken {
+                            job: this.name.clone(),
+                            node: node.to_owned(),
+                            holder,
+                            ttl: config.node_ttl,
+                        });
+                    }
+                }
             }
             Err(e) => return Err(e.into()),
         };
-        match this.join(broker.clone(), &subjects, &b, node, node_value, node_revision, config).await {
+        match this.join(broker.clone(), &subjects, &b, (node, incarnation), node_value, node_revision, config).await {
             Ok(running) => Ok(running),
             Err(e) => {
                 // Do not block a restart with this id for a whole TTL.
@@ -484,7 +491,7 @@ impl Job {
         broker: SharedBroker,
         subjects: &Subjects,
         b: &Buckets,
-        node: &str,
+        (node, incarnation): (&str, String),
         node_value: bytes::Bytes,
         node_revision: u64,
         config: ClusterConfig,
@@ -591,6 +598,7 @@ impl Job {
             broker: broker.clone(),
             subjects: subjects.clone(),
             node: node.to_owned(),
+            incarnation,
             node_revision,
             node_value,
             run_id: run_id.clone(),
@@ -614,6 +622,7 @@ fn node_services(broker: &SharedBroker, subjects: &Subjects) -> (Addr<TimerServi
         broker: broker.clone(),
         js_stream: subjects.timer_stream_name(),
         consumer: topology::timer_consumer().name,
+        subjects: subjects.clone(),
     })
     .start();
     (timers, Reaper::new(broker.clone(), subjects.clone()).start())
@@ -626,6 +635,66 @@ fn partition_spec(subjects: &Subjects, t: &TaskEntry, name: &StreamName, p: u32)
 
 fn json<T: serde::Serialize>(value: &T) -> bytes::Bytes {
     bytes::Bytes::from(serde_json::to_vec(value).unwrap_or_default())
+}
+
+/// Takes over the node id `record.node` whose registration exists: at once when its
+/// holder is provably gone (same host, process gone), else after watching it for two
+/// heartbeats and a half without a renewal. Returns the new revision of the
+/// registration, or who holds it (`Err`) when the holder is alive.
+///
+/// # Errors
+/// Whatever the broker returns.
+async fn take_over_node_id(
+    broker: &SharedBroker,
+    bucket: &str,
+    record: &NodeRecord,
+    value: bytes::Bytes,
+    beat: Duration,
+) -> Result<Result<u64, String>, BrokerError> {
+    let node = record.node.as_str();
+    let Some(found) = broker.kv_get(bucket, node).await? else {
+        // It expired meanwhile.
+        return Ok(broker
+            .kv_create(bucket, node, value)
+            .await
+            .map_err(|_| "a node registering at the same moment".to_owned()));
+    };
+    let previous = serde_json::from_slice::<NodeRecord>(&found.value).ok();
+    let holder = previous
+        .as_ref()
+        .map_or_else(|| "an entry this version cannot read".to_owned(), |r| format!("pid {} on {}", r.pid, r.host));
+    let gone = previous.as_ref().is_some_and(|r| r.provably_gone(&record.host, record.pid, process_alive));
+    if !gone {
+        // Maybe alive (another host, or a live pid): a live node renews every beat.
+        info!(%node, %holder, wait = ?beat.mul_f64(2.5), "node id registered by another process: waiting to see whether it is alive");
+        tokio::time::sleep(beat.mul_f64(2.5)).await;
+        match broker.kv_get(bucket, node).await? {
+            Some(now) if now.revision == found.revision => {}
+            None => {
+                return Ok(broker.kv_create(bucket, node, value).await.map_err(|_| holder));
+            }
+            Some(_) => return Ok(Err(holder)),
+        }
+    }
+    match broker.kv_update(bucket, node, value, found.revision).await {
+        Ok(revision) => {
+            info!(%node, previous = %holder, "restart in place: took the node id over from its previous process, which is gone");
+            Ok(Ok(revision))
+        }
+        Err(BrokerError::KvWrongRevision { .. }) => Ok(Err(holder)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether process `pid` on this host is alive (not gone, not a zombie). Where that
+/// cannot be told (no `/proc`), it counts as alive, and a restart waits to see whether
+/// its registration is renewed.
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat.rsplit_once(')').is_none_or(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => !std::path::Path::new("/proc/self").exists(),
+    }
 }
 
 fn host_name() -> String {

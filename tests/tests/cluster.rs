@@ -361,6 +361,55 @@ async fn a_killed_node_s_partitions_produce_elsewhere_within_two_ttls_and_nothin
     eprintln!("records processed twice after the kill: {again}");
 }
 
+/// What systemd or a StatefulSet does: kill -9, then the same command again within a
+/// second. The new process takes the dead one's node id over at once (same host, its
+/// pid gone), takes over that id's leases with new epochs, and nothing is lost.
+#[actix_rt::test]
+async fn a_node_killed_and_restarted_with_its_id_within_a_second_takes_it_over_and_loses_nothing() {
+    let mut c = Cluster::start(&["a", "b"]).await;
+    let owners = c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 400);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let epochs_before: BTreeMap<u32, u64> = c.owners().await.into_iter().map(|(p, (_, e))| (p, e)).collect();
+    let held_by_a: Vec<u32> = owners.iter().filter(|(_, o)| *o == "a").map(|(p, _)| *p).collect();
+    let mut old = c.nodes.remove("a").expect("node a");
+    old.signal("KILL");
+    assert!(old.wait_timeout(Duration::from_secs(5)).is_some(), "a did not die");
+    drop(old);
+    std::fs::rename(c.log("a"), c.dir.path().join("a-before-kill.log")).expect("keep the first log");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let restarted = Instant::now();
+    c.add("a");
+    // It starts (does not exit refusing its own id) and holds partitions again, with
+    // new epochs, instead of waiting for the dead process's leases to expire.
+    let renewed = |owners: &BTreeMap<u32, (String, u64)>| {
+        owners.len() == PARTITIONS as usize
+            && owners.iter().any(|(_, (o, _))| o == "a")
+            && owners.iter().filter(|(_, (o, _))| o == "a").all(|(p, (_, e))| Some(e) > epochs_before.get(p))
+    };
+    let mut owners_after = c.owners().await;
+    while !renewed(&owners_after) {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(30),
+            "a's partitions not taken over with new epochs: {epochs_before:?} → {owners_after:?}{}",
+            c.all_logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        owners_after = c.owners().await;
+    }
+    let took = restarted.elapsed();
+    let log = c.log_text("a");
+    assert!(log.contains("took the node id over"), "no take-over in the restarted node's log:{}", tail(&log, 40));
+    assert!(
+        c.nodes.get_mut("a").expect("a").wait_timeout(Duration::from_millis(10)).is_none(),
+        "the restarted node exited:{}",
+        tail(&log, 40)
+    );
+    eprintln!("restart in place: a held {held_by_a:?}; its partitions had new epochs {took:?} after the restart");
+    let n = feed.stop().await;
+    wait_all_out(&c, n, Duration::from_secs(90)).await;
+}
+
 #[actix_rt::test]
 async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
     let mut c = Cluster::start(&["a", "b", "c"]).await;

@@ -78,6 +78,8 @@ pub struct MembershipSetup {
     pub subjects: Subjects,
     /// This node.
     pub node: String,
+    /// This process's incarnation of the node id ([`NodeRecord::incarnation`](crate::cluster::NodeRecord::incarnation)).
+    pub incarnation: String,
     /// The node key's revision after registering.
     pub node_revision: u64,
     /// The node key's value.
@@ -202,7 +204,8 @@ impl Membership {
     }
 
     fn lease_value(&self, epoch: u64) -> Bytes {
-        Bytes::from(serde_json::to_vec(&LeaseRecord { node: self.s.node.clone(), epoch }).unwrap_or_default())
+        let record = LeaseRecord { node: self.s.node.clone(), epoch, incarnation: self.s.incarnation.clone() };
+        Bytes::from(serde_json::to_vec(&record).unwrap_or_default())
     }
 
     /// How long a renewal sent at `sent` keeps the partition ours: two thirds of the
@@ -295,7 +298,7 @@ impl Membership {
             .iter()
             .filter(|(_, h)| view.started > h.acquired)
             .filter(|(part, h)| match view.leases.get(*part) {
-                Some(Some((_, Some(rec)))) => rec.node != self.s.node,
+                Some(Some((_, Some(rec)))) => !rec.held_by(&self.s.node, &self.s.incarnation),
                 Some(Some((_, None))) => true,
                 Some(None) => !h.renewing && !h.releasing,
                 None => false,
@@ -362,6 +365,16 @@ impl Membership {
                         info!(stream = %part.0, partition = p, to = ?target, "rebalancing: handing the partition over");
                         self.release(&part);
                     }
+                    continue;
+                }
+                if let Some(Some((entry, Some(rec)))) = view.leases.get(&part)
+                    && rec.left_by_earlier(&self.s.node, &self.s.incarnation)
+                {
+                    // A lease of the process that had this node id before this one (it
+                    // is gone: this one took the id over). Take it over at once, with a
+                    // new epoch, rather than wait out its TTL.
+                    info!(stream = %part.0, partition = p, "taking over a lease of this node id's previous process");
+                    self.acquire(part, Some(entry.revision), ctx);
                     continue;
                 }
                 if leased
@@ -444,9 +457,10 @@ impl Membership {
         let Some(h) = self.held.get_mut(&part) else { return };
         h.renewing = true;
         let epoch = h.epoch;
-        let (broker, bucket, key, node) =
-            (self.s.broker.clone(), self.buckets.leases.clone(), keys::lease(&part.0, part.1), self.s.node.clone());
-        let value = Bytes::from(serde_json::to_vec(&LeaseRecord { node: node.clone(), epoch }).unwrap_or_default());
+        let value = self.lease_value(epoch);
+        let Some(h) = self.held.get_mut(&part) else { return };
+        let (broker, bucket, key) = (self.s.broker.clone(), self.buckets.leases.clone(), keys::lease(&part.0, part.1));
+        let (node, incarnation) = (self.s.node.clone(), self.s.incarnation.clone());
         let update = broker.kv_update(&bucket, &key, value, h.revision);
         let limit = self.s.config.lease_ttl / 6;
         let fut = async move {
@@ -455,7 +469,7 @@ impl Membership {
                 Ok(Err(BrokerError::KvWrongRevision { .. })) => match broker.kv_get(&bucket, &key).await {
                     Ok(Some(e))
                         if serde_json::from_slice::<LeaseRecord>(&e.value)
-                            .is_ok_and(|r| r.node == node && r.epoch == epoch) =>
+                            .is_ok_and(|r| r.held_by(&node, &incarnation) && r.epoch == epoch) =>
                     {
                         Ok((e.revision, false))
                     }
@@ -607,7 +621,7 @@ impl Membership {
             self.s.broker.clone(),
             self.buckets.leases.clone(),
             keys::lease(&part.0, part.1),
-            self.s.node.clone(),
+            (self.s.node.clone(), self.s.incarnation.clone()),
             h.revision,
         );
         let notify = self.s.broker.core_publish(CoreMessage::new(self.s.subjects.control("all.changed"), Bytes::new()));
@@ -792,11 +806,15 @@ impl Membership {
 
 /// Deletes this process's membership key, compare-and-set, unless another process
 /// holds the id by now.
-async fn release_membership(broker: &SharedBroker, bucket: &str, node: &str) -> Result<(), BrokerError> {
+async fn release_membership(
+    broker: &SharedBroker,
+    bucket: &str,
+    (node, incarnation): &(String, String),
+) -> Result<(), BrokerError> {
     for _ in 0..5 {
         let Some(e) = broker.kv_get(bucket, node).await? else { return Ok(()) };
         let mine = serde_json::from_slice::<crate::cluster::NodeRecord>(&e.value)
-            .is_ok_and(|r| r.pid == std::process::id() && r.node == node);
+            .is_ok_and(|r| &r.node == node && &r.incarnation == incarnation);
         if !mine {
             return Ok(());
         }
@@ -814,7 +832,7 @@ async fn release_lease(
     broker: SharedBroker,
     bucket: String,
     key: String,
-    node: String,
+    (node, incarnation): (String, String),
     mut revision: u64,
 ) -> Result<(), BrokerError> {
     for _ in 0..5 {
@@ -823,7 +841,9 @@ async fn release_lease(
             other => return other,
         }
         match broker.kv_get(&bucket, &key).await? {
-            Some(e) if serde_json::from_slice::<LeaseRecord>(&e.value).is_ok_and(|r| r.node == node) => {
+            Some(e)
+                if serde_json::from_slice::<LeaseRecord>(&e.value).is_ok_and(|r| r.held_by(&node, &incarnation)) =>
+            {
                 revision = e.revision;
             }
             // Gone, or someone else's by now: nothing of ours to delete.
@@ -939,21 +959,22 @@ impl Handler<Deregister> for Membership {
             })
             .collect();
         let b = self.buckets.clone();
-        let node = self.s.node.clone();
+        let holder = (self.s.node.clone(), self.s.incarnation.clone());
+        let node = holder.0.clone();
         let registered = self.registered;
         let changed = self.s.subjects.control("all.changed");
         Box::pin(
             async move {
                 for (key, rev) in leases {
                     if let Err(e) =
-                        release_lease(broker.clone(), b.leases.clone(), key.clone(), node.clone(), rev).await
+                        release_lease(broker.clone(), b.leases.clone(), key.clone(), holder.clone(), rev).await
                     {
                         debug!(%key, error = %e, "lease not deleted; it expires on its own");
                     }
                 }
                 // Our own key, and only while it is still this process's: after a long
                 // pause a new process may have registered the same id.
-                if registered && let Err(e) = release_membership(&broker, &b.nodes, &node).await {
+                if registered && let Err(e) = release_membership(&broker, &b.nodes, &holder).await {
                     debug!(error = %e, "membership not deleted; it expires on its own");
                 }
                 let _ = broker.core_publish(CoreMessage::new(changed, Bytes::new())).await;

@@ -17,7 +17,7 @@ pub use messages::{AcquireLease, Acquired, DeadLetter, Sweep, Tidy};
 
 use crate::events::{Event, emit};
 use actix::prelude::*;
-use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{BrokerError, Delivery, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{StreamName, Subjects, headers};
 use tracing::debug;
 
@@ -43,17 +43,22 @@ impl Actor for Reaper {
 /// the reason headers.
 fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<OutboundMessage, BrokerError> {
     let stream = StreamName::new(msg.stream.clone())?;
-    let d = &msg.delivery;
-    let mut out = OutboundMessage::new(subjects.dlq(&stream), d.payload.clone());
+    Ok(dead_letter_to(subjects.dlq(&stream), &msg.delivery, msg.reason, &msg.detail))
+}
+
+/// The dead letter of delivery `d` on `subject`: its payload and headers, the id
+/// `dlq-<stream>-<seq>` (so moving it twice stores it once) and the reason headers.
+pub(crate) fn dead_letter_to(subject: String, d: &Delivery, reason: &str, detail: &str) -> OutboundMessage {
+    let mut out = OutboundMessage::new(subject, d.payload.clone());
     out.headers = d.headers.clone();
     out.headers.insert(headers::MSG_ID, format!("dlq-{}-{}", d.info.stream, d.info.stream_seq));
-    out.headers.insert(headers::DLQ_REASON, msg.reason);
-    out.headers.insert(headers::DLQ_DETAIL, msg.detail.replace(['\r', '\n'], " "));
+    out.headers.insert(headers::DLQ_REASON, reason.to_owned());
+    out.headers.insert(headers::DLQ_DETAIL, detail.replace(['\r', '\n'], " "));
     out.headers.insert(headers::DLQ_STREAM, d.info.stream.to_string());
     out.headers.insert(headers::DLQ_SUBJECT, &*d.subject);
     out.headers.insert(headers::DLQ_SEQ, d.info.stream_seq.to_string());
     out.headers.insert(headers::DLQ_DELIVERIES, d.info.delivered.to_string());
-    Ok(out)
+    out
 }
 
 impl Handler<DeadLetter> for Reaper {
