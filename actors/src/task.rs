@@ -311,7 +311,8 @@ impl Outputs {
     /// would have had, so a redelivered input's delayed outputs are deduplicated too).
     ///
     /// # Errors
-    /// As [`send`](Self::send).
+    /// As [`send`](Self::send); [`TaskError::Failed`] for a delay over
+    /// [`MAX_DELAY`](crate::timer_service::MAX_DELAY).
     pub async fn send_after<T: Serialize>(
         &self,
         stream: &StreamDef<T>,
@@ -319,6 +320,7 @@ impl Outputs {
         value: impl std::borrow::Borrow<T>,
         delay: Duration,
     ) -> Result<(), TaskError> {
+        check_delay(delay, &format!("delayed output to {}", stream.name()))?;
         let msg = self.build(stream, key, value.borrow()).await?;
         let id = msg.headers.msg_id().unwrap_or_default().to_owned();
         let mut timer = OutboundMessage::new(self.env.subjects.timer(&id), msg.payload);
@@ -495,8 +497,14 @@ impl TaskContext {
     /// Calls this task's `timer` hook with `name` after `after`. In memory: such a timer
     /// does not survive the node; for work that must happen later whatever happens, use
     /// [`send_after`](Self::send_after).
-    pub fn schedule(&mut self, name: impl Into<String>, after: Duration) {
-        self.timers.push((name.into(), after));
+    ///
+    /// # Errors
+    /// [`TaskError::Failed`] for a delay over [`MAX_DELAY`](crate::timer_service::MAX_DELAY).
+    pub fn schedule(&mut self, name: impl Into<String>, after: Duration) -> Result<(), TaskError> {
+        let name = name.into();
+        check_delay(after, &format!("timer {name:?}"))?;
+        self.timers.push((name, after));
+        Ok(())
     }
 
     /// Runs blocking work on the blocking pool, off the actor thread.
@@ -530,9 +538,39 @@ impl TaskContext {
     }
 }
 
+/// Refuses a delay over [`MAX_DELAY`](crate::timer_service::MAX_DELAY) for `what`.
+fn check_delay(delay: Duration, what: &str) -> Result<(), TaskError> {
+    let max = crate::timer_service::MAX_DELAY;
+    if delay > max {
+        return Err(TaskError::failed(format!(
+            "{what}: a delay of {delay:?} is over the limit of {max:?} (365 days); store far-off work elsewhere and schedule it nearer the time"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timers_and_delayed_outputs_past_the_limit_are_refused_with_a_reason() {
+        let env = Rc::new(TaskEnv::new(
+            flotilla_transport::embedded::EmbeddedBroker::new().shared(),
+            Codec::default(),
+            Subjects::new(flotilla_transport::wire::JobName::new("job").expect("name")),
+            "run",
+        ));
+        let mut ctx = TaskContext::new(env, Some(0), 1, None);
+        assert!(ctx.schedule("soon", Duration::from_secs(60)).is_ok());
+        let err = ctx.schedule("never", Duration::MAX).expect_err("refused");
+        assert!(err.to_string().contains("timer \"never\"") && err.to_string().contains("over the limit"), "{err}");
+        let out = StreamDef::<u64>::ordered("out", 4);
+        let err = futures::executor::block_on(ctx.send_after(&out, "k", 1, Duration::from_secs(400 * 86_400)))
+            .expect_err("refused");
+        assert!(err.to_string().contains("delayed output to out"), "{err}");
+        assert!(futures::executor::block_on(ctx.send_after(&out, "k", 1, Duration::from_secs(60))).is_ok());
+    }
 
     #[test]
     fn output_subjects_are_the_wire_subjects() {

@@ -380,7 +380,7 @@ impl Task for Probe {
             "stop-me" => ctx.shutdown(flotilla_actors::ShutdownScope::CurrentTask),
             b if b.starts_with("timer:") => {
                 let secs: u64 = b[6..].parse().map_err(|_| TaskError::failed("bad timer"))?;
-                ctx.schedule(format!("t{}", r.id), Duration::from_secs(secs));
+                ctx.schedule(format!("t{}", r.id), Duration::from_secs(secs))?;
             }
             b if b.starts_with("defer:") => {
                 let ms: u64 = b[6..].parse().map_err(|_| TaskError::failed("bad defer"))?;
@@ -953,4 +953,68 @@ async fn a_delivery_lost_in_transit_is_processed_after_a_reset_never_acked_unpro
         let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
         assert_eq!((c.num_pending, c.num_ack_pending), (0, 0), "partition {p}: {c:?}");
     }
+}
+
+/// Only data enters a task. A drain or end-of-stream marker on a queue input would let
+/// any producer end the job; it is dead-lettered, and the queue keeps flowing. A timer
+/// in the timer stream whose target is not one of the job's data subjects (the control
+/// plane, another job) or whose delay is unusable is dead-lettered with its reason;
+/// a sound one is still promoted.
+#[actix_rt::test]
+async fn markers_on_a_queue_and_timers_aimed_outside_the_job_are_dead_lettered() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t").task(JOBS, |_| Relay::<true>).start(b.clone()).await.expect("start");
+    for (i, kind) in [(1, "end-of-stream"), (2, "drain")] {
+        let payload = codec().encode(&Record { id: 900 + i, body: "marker".into() }).expect("encode");
+        let msg = OutboundMessage::new("flotilla.t.jobs", payload)
+            .with_id(format!("marker-{i}"))
+            .with_header(headers::KIND, kind)
+            .with_header(headers::RUN, "whatever");
+        b.publish(msg).await.expect("publish marker");
+    }
+    let timer = |id: &str, delay: &str, target: &str| {
+        let payload = codec().encode(&Record { id: 77, body: id.into() }).expect("encode");
+        OutboundMessage::new(format!("flotilla.t._timer.{id}"), payload)
+            .with_id(format!("timer-{id}"))
+            .with_header(headers::DELAY, delay)
+            .with_header(headers::TARGET, target)
+    };
+    for msg in [
+        timer("ctl", "0", "flotilla.t._ctl.all.shutdown"),
+        timer("other-job", "0", "flotilla.other.jobs"),
+        timer("forever", &u64::MAX.to_string(), "flotilla.t.done"),
+        timer("good", "1000", "flotilla.t.done"),
+    ] {
+        b.publish(msg).await.expect("publish timer");
+    }
+    for id in 1..=3 {
+        publish(&b, "jobs", false, id, "ok").await;
+    }
+    // The three records, and the sound timer's output.
+    wait_for(&b, "FLOTILLA_t_done", 4).await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 5).await;
+    let mut dlq: Vec<(String, String)> = read_all(&b, "FLOTILLA_t_DLQ", None)
+        .await
+        .into_iter()
+        .map(|(subject, _, h)| (subject, h.get(headers::DLQ_REASON).unwrap_or_default().to_owned()))
+        .collect();
+    dlq.sort();
+    assert_eq!(
+        dlq,
+        vec![
+            ("flotilla.t._dlq._timers".to_owned(), "bad-timer".to_owned()),
+            ("flotilla.t._dlq._timers".to_owned(), "bad-timer".to_owned()),
+            ("flotilla.t._dlq._timers".to_owned(), "bad-timer".to_owned()),
+            ("flotilla.t._dlq.jobs".to_owned(), "malformed".to_owned()),
+            ("flotilla.t._dlq.jobs".to_owned(), "malformed".to_owned()),
+        ]
+    );
+    let done: Vec<u64> = read_all(&b, "FLOTILLA_t_done", None).await.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(done.iter().filter(|id| **id == 77).count(), 1, "the sound timer was promoted: {done:?}");
+    // The job is still running: a record published now is processed.
+    publish(&b, "jobs", false, 4, "ok").await;
+    wait_for(&b, "FLOTILLA_t_done", 5).await;
+    job.stop();
+    job.wait().await.expect("clean stop");
 }

@@ -391,11 +391,19 @@ impl<T: Task> TaskWorker<T> {
                 TaskContext::decode::<T::Input>(&self.env.codec, &d.headers, self.binding.type_name, &d.payload)
                     .map_err(|e| (e.reason(), e.to_string()))
             }
-            other => Err((
+            Some(marker @ (MessageKind::Drain | MessageKind::EndOfStream)) => Err((
                 "malformed",
                 format!(
-                    "unexpected Flotilla-Kind {:?} on a data message",
-                    other.map(MessageKind::as_str).or(d.headers.get(headers::KIND))
+                    "Flotilla-Kind {:?} is a marker of ordered partitions; queue input {} takes only data",
+                    marker.as_str(),
+                    self.binding.stream
+                ),
+            )),
+            None => Err((
+                "malformed",
+                format!(
+                    "unknown Flotilla-Kind {:?} on a data message",
+                    d.headers.get(headers::KIND).unwrap_or_default()
                 ),
             )),
         };
@@ -1071,11 +1079,13 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 }
                 self.max_seen_seq = d.info.stream_seq;
             }
+            // Markers are for ordered partitions; on a queue input anyone could end
+            // the job with one, so there they are data (and fail to decode as such).
             let kind = match d.headers.kind() {
-                Some(MessageKind::Drain) => {
+                Some(MessageKind::Drain) if self.binding.ordered() => {
                     EnvelopeKind::Drain { run_id: d.headers.get(headers::RUN).unwrap_or_default().to_owned() }
                 }
-                Some(MessageKind::EndOfStream) => EnvelopeKind::EndOfStream,
+                Some(MessageKind::EndOfStream) if self.binding.ordered() => EnvelopeKind::EndOfStream,
                 _ => EnvelopeKind::Data,
             };
             let held = self.binding.ordered() || !matches!(kind, EnvelopeKind::Data);

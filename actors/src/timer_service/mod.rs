@@ -9,7 +9,11 @@
 //! timer stream; each is nak'd with the time it still has to wait (nak delays survive
 //! broker restarts, and work on 2.9 servers), and published to its target when due,
 //! then acknowledged. Every node's timer service competes on the timer stream's
-//! consumer, so a delayed message is promoted by whichever node is alive.
+//! consumer, so a delayed message is promoted by whichever node is alive. A delayed
+//! message is published only to a data subject of the job itself
+//! ([`Subjects::data_target_problem`]); one with another target, or without a usable
+//! delay, goes to the dead-letter stream (`flotilla.<job>._dlq._timers`, reason
+//! `bad-timer`), never silently away.
 //!
 //! Supervision: started by the job runner next to the container, on the same arbiter;
 //! it holds no state worth restarting for (delayed messages live in the broker). A
@@ -21,12 +25,19 @@ pub use messages::{After, Cancel, Every, Tick, TimerId};
 
 use actix::prelude::*;
 use flotilla_transport::broker::{AckKind, BrokerResult, Delivery, OutboundMessage, SharedBroker};
-use flotilla_transport::wire::headers;
+use flotilla_transport::wire::{Headers, Subjects, headers};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 use tracing::{debug, warn};
+
+/// The longest delay a timer or a delayed message may have (365 days). Longer ones are
+/// refused when they are asked for ([`TaskContext::send_after`](crate::TaskContext::send_after),
+/// [`TaskContext::schedule`](crate::TaskContext::schedule)) and dead-lettered when
+/// found in the timer stream: a clock cannot represent arbitrary delays, and a year is
+/// longer than any stream keeps its messages by default.
+pub const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Where delayed messages wait.
 #[derive(Debug, Clone)]
@@ -37,6 +48,8 @@ pub struct Promotion {
     pub js_stream: String,
     /// Its consumer.
     pub consumer: String,
+    /// The job's subjects: delayed messages go only to its data subjects.
+    pub subjects: Subjects,
 }
 
 /// The timer actor.
@@ -77,7 +90,7 @@ impl TimerService {
         let fut = async move {
             let batch = p.broker.claim(&p.js_stream, &p.consumer, 256, Duration::from_secs(1)).await?;
             for d in batch {
-                promote_one(&p.broker, d).await;
+                promote_one(&p.broker, &p.subjects, d).await;
             }
             BrokerResult::Ok(())
         };
@@ -150,6 +163,7 @@ impl TimerService {
                 }
                 Some(period) => {
                     // Ticks missed while the node was busy are not made up in a burst.
+                    let period = period.min(MAX_DELAY);
                     let mut next = deadline + period;
                     if next <= now {
                         next = now + period;
@@ -169,23 +183,69 @@ impl TimerService {
     }
 }
 
-/// Publishes one delayed message if it is due, else waits it out with a nak delay.
-async fn promote_one(broker: &SharedBroker, d: Delivery) {
-    let (Some(delay), Some(target)) =
-        (d.headers.get(headers::DELAY).and_then(|v| v.parse::<u64>().ok()), d.headers.get(headers::TARGET))
-    else {
-        warn!(subject = %d.subject, "delayed message without a valid Flotilla-Delay / Flotilla-Target; dropped");
-        let _ = broker.ack(&d.token, AckKind::Term).await;
-        return;
+/// What to do with a delayed message from the timer stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TimerVerdict {
+    /// Not yet due: wait this long (a nak with this delay).
+    Wait(Duration),
+    /// Due: publish to this target.
+    Due(String),
+    /// Unusable (bad or missing delay or target): dead-letter it with this detail.
+    Broken(String),
+}
+
+/// Judges a delayed message stored at `published`, at `now`.
+fn judge_timer(subjects: &Subjects, h: &Headers, published: SystemTime, now: SystemTime) -> TimerVerdict {
+    let delay = match h.get(headers::DELAY).map(|v| (v, v.parse::<u64>())) {
+        None => return TimerVerdict::Broken(format!("no {} header", headers::DELAY)),
+        Some((v, Err(_))) => {
+            return TimerVerdict::Broken(format!("{} {v:?} is not a number of milliseconds", headers::DELAY));
+        }
+        Some((_, Ok(ms))) => Duration::from_millis(ms),
     };
-    let due = d.info.published + Duration::from_millis(delay);
-    if let Ok(wait) = due.duration_since(broker.system_now())
-        && !wait.is_zero()
-    {
-        let _ = broker.ack(&d.token, AckKind::Nak(Some(wait))).await;
-        return;
+    if delay > MAX_DELAY {
+        return TimerVerdict::Broken(format!("a delay of {delay:?} is over the limit of {MAX_DELAY:?}"));
     }
-    let mut out = OutboundMessage::new(target.to_owned(), d.payload.clone());
+    let Some(target) = h.get(headers::TARGET) else {
+        return TimerVerdict::Broken(format!("no {} header", headers::TARGET));
+    };
+    if let Some(problem) = subjects.data_target_problem(target) {
+        return TimerVerdict::Broken(format!("{}: {problem}", headers::TARGET));
+    }
+    let Some(due) = published.checked_add(delay) else {
+        return TimerVerdict::Broken(format!("a delay of {delay:?} from {published:?} is past what a clock can hold"));
+    };
+    match due.duration_since(now) {
+        Ok(wait) if !wait.is_zero() => TimerVerdict::Wait(wait),
+        _ => TimerVerdict::Due(target.to_owned()),
+    }
+}
+
+/// Publishes one delayed message if it is due, else waits it out with a nak delay; an
+/// unusable one goes to the dead-letter stream.
+async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery) {
+    let target = match judge_timer(subjects, &d.headers, d.info.published, broker.system_now()) {
+        TimerVerdict::Wait(wait) => {
+            let _ = broker.ack(&d.token, AckKind::Nak(Some(wait))).await;
+            return;
+        }
+        TimerVerdict::Broken(detail) => {
+            let letter = crate::reaper::dead_letter_to(subjects.dlq_timers(), &d, "bad-timer", &detail);
+            match broker.publish(letter).await {
+                Ok(_) => {
+                    warn!(subject = %d.subject, seq = d.info.stream_seq, %detail, "unusable delayed message dead-lettered");
+                    let _ = broker.ack(&d.token, AckKind::Term).await;
+                }
+                Err(e) => {
+                    warn!(error = %e, "unusable delayed message not dead-lettered yet; retrying in 1 s");
+                    let _ = broker.ack(&d.token, AckKind::Nak(Some(Duration::from_secs(1)))).await;
+                }
+            }
+            return;
+        }
+        TimerVerdict::Due(target) => target,
+    };
+    let mut out = OutboundMessage::new(target.clone(), d.payload.clone());
     out.headers = d.headers.clone();
     out.headers.remove(headers::DELAY);
     out.headers.remove(headers::TARGET);
@@ -203,6 +263,13 @@ async fn promote_one(broker: &SharedBroker, d: Delivery) {
     }
 }
 
+/// Now plus `delay`, at most [`MAX_DELAY`] ahead: a delay no clock can hold never
+/// panics here (callers refuse such delays first; this keeps the service alive).
+fn deadline_after(delay: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(delay.min(MAX_DELAY)).unwrap_or(now)
+}
+
 impl Actor for TimerService {
     type Context = Context<Self>;
 
@@ -218,7 +285,7 @@ impl Handler<Every> for TimerService {
         let Every { period, target, tick } = msg;
         // A zero period would tick in a busy loop.
         let period = period.max(Duration::from_millis(1));
-        MessageResult(self.add(Instant::now() + period, Timer { target, tick, period: Some(period) }, ctx))
+        MessageResult(self.add(deadline_after(period), Timer { target, tick, period: Some(period) }, ctx))
     }
 }
 
@@ -227,7 +294,7 @@ impl Handler<After> for TimerService {
 
     fn handle(&mut self, msg: After, ctx: &mut Context<Self>) -> Self::Result {
         let After { delay, target, tick } = msg;
-        MessageResult(self.add(Instant::now() + delay, Timer { target, tick, period: None }, ctx))
+        MessageResult(self.add(deadline_after(delay), Timer { target, tick, period: None }, ctx))
     }
 }
 
@@ -339,5 +406,52 @@ mod tests {
         let windows: Vec<u64> =
             seen.iter().filter(|(_, t)| *t == Tick::Window).map(|(at, _)| at.duration_since(start).as_secs()).collect();
         assert_eq!(windows, vec![250, 500, 750, 1000]);
+    }
+
+    #[test]
+    fn delayed_messages_are_judged_by_delay_and_target() {
+        use flotilla_transport::wire::JobName;
+        let subjects = Subjects::new(JobName::new("relay").expect("job"));
+        let at = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let timer = |delay: &str, target: &str| {
+            Headers::new().with(headers::DELAY, delay.to_owned()).with(headers::TARGET, target.to_owned())
+        };
+        let judge = |h: &Headers, now: SystemTime| judge_timer(&subjects, h, at, now);
+        let ok = timer("5000", "flotilla.relay.relay-out.3");
+        assert_eq!(judge(&ok, at + Duration::from_secs(2)), TimerVerdict::Wait(Duration::from_secs(3)));
+        assert_eq!(judge(&ok, at + Duration::from_secs(5)), TimerVerdict::Due("flotilla.relay.relay-out.3".into()));
+        assert_eq!(judge(&ok, at + Duration::from_secs(9)), TimerVerdict::Due("flotilla.relay.relay-out.3".into()));
+        let broken = |h: Headers| matches!(judge(&h, at), TimerVerdict::Broken(_));
+        assert!(broken(timer("5000", "$JS.API.STREAM.DELETE.FLOTILLA_relay_relay-in")), "the JetStream API");
+        assert!(broken(timer("5000", "flotilla.relay._ctl.all.shutdown")), "the control plane");
+        assert!(broken(timer("5000", "flotilla.other.relay-out.1")), "another job");
+        assert!(broken(timer("soon", "flotilla.relay.relay-out.1")), "a delay that is no number");
+        assert!(broken(timer(&u64::MAX.to_string(), "flotilla.relay.relay-out.1")), "a delay no clock holds");
+        let year_and_a_day = (MAX_DELAY + Duration::from_secs(86_400)).as_millis().to_string();
+        assert!(broken(timer(&year_and_a_day, "flotilla.relay.relay-out.1")), "over the limit");
+        assert!(broken(Headers::new().with(headers::DELAY, "5")), "no target");
+        assert!(broken(Headers::new().with(headers::TARGET, "flotilla.relay.relay-out.1")), "no delay");
+    }
+
+    #[actix_rt::test]
+    async fn a_delay_no_clock_holds_does_not_panic_the_service() {
+        tokio::time::pause();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let rec = Recorder(seen.clone()).start();
+        let timers = TimerService::default().start();
+        timers
+            .send(After { delay: Duration::MAX, target: rec.clone().recipient(), tick: Tick::Retry(1) })
+            .await
+            .expect("the service answers");
+        timers
+            .send(Every { period: Duration::MAX, target: rec.clone().recipient(), tick: Tick::Window })
+            .await
+            .expect("the service answers");
+        timers
+            .send(After { delay: Duration::from_secs(1), target: rec.recipient(), tick: Tick::Retry(2) })
+            .await
+            .expect("still alive");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(seen.lock().expect("lock").iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(), vec![Tick::Retry(2)]);
     }
 }

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | ordered input, partition `p` | `flotilla.<job>.<stream>.<p>` | stream `FLOTILLA_<job>_<stream>`, consumer `<stream>-p<p>` |
 //! | queue input | `flotilla.<job>.<stream>` | stream `FLOTILLA_<job>_<stream>`, consumer `<stream>-workers` |
-//! | dead letters | `flotilla.<job>._dlq.<stream>` | stream `FLOTILLA_<job>_DLQ` |
+//! | dead letters | `flotilla.<job>._dlq.<stream>` (`_dlq._timers` for broken timers) | stream `FLOTILLA_<job>_DLQ` |
 //! | timers | `flotilla.<job>._timer.<id>` | stream `FLOTILLA_<job>_TIMERS` |
 //! | control | `flotilla.<job>._ctl.<…>` | core NATS request/reply |
 //! | events | `flotilla.<job>._evt.<type>` | core NATS |
@@ -50,6 +50,37 @@ impl Subjects {
     /// `flotilla.<job>._dlq.<stream>`: dead letters of one input stream.
     pub fn dlq(&self, stream: &StreamName) -> String {
         format!("flotilla.{}._dlq.{}", self.job, stream)
+    }
+
+    /// `flotilla.<job>._dlq._timers`: dead letters of the timer stream (a delayed
+    /// message whose target or delay is unusable).
+    pub fn dlq_timers(&self) -> String {
+        format!("flotilla.{}._dlq._timers", self.job)
+    }
+
+    /// What is wrong with `subject` as the target of a delayed message, if anything: a
+    /// target must be a data subject of this job, `flotilla.<job>.<stream>` (queue) or
+    /// `flotilla.<job>.<stream>.<partition>` (ordered), with a valid stream name. So a
+    /// timer can never publish to another job, to Flotilla's reserved `_` subjects
+    /// (control, timers, dead letters) or to the JetStream API.
+    pub fn data_target_problem(&self, subject: &str) -> Option<String> {
+        let prefix = format!("flotilla.{}.", self.job);
+        let Some(rest) = subject.strip_prefix(&prefix) else {
+            return Some(format!("{subject:?} is not a subject of job {} (it must start with {prefix:?})", self.job));
+        };
+        let (stream, partition) = match rest.split_once('.') {
+            Some((stream, partition)) => (stream, Some(partition)),
+            None => (rest, None),
+        };
+        if let Err(e) = StreamName::new(stream) {
+            return Some(format!("{subject:?} does not name a data stream: {e}"));
+        }
+        match partition {
+            Some(p) if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) || p.parse::<u32>().is_err() => {
+                Some(format!("{subject:?} does not end in a partition number"))
+            }
+            _ => None,
+        }
     }
 
     /// `flotilla.<job>._dlq.>`: all dead letters of the job.
@@ -128,5 +159,30 @@ mod tests {
         assert_eq!(s.bucket_name("LEASES"), "FLOTILLA_relay_LEASES");
         assert_eq!(Subjects::partition_consumer(&input, 7), "relay-in-p7");
         assert_eq!(Subjects::queue_consumer(&input), "relay-in-workers");
+        assert_eq!(s.dlq_timers(), "flotilla.relay._dlq._timers");
+    }
+
+    #[test]
+    fn delayed_messages_may_target_only_the_job_s_data_subjects() {
+        let s = Subjects::new(JobName::new("relay").expect("job"));
+        for ok in ["flotilla.relay.relay-out.3", "flotilla.relay.jobs", "flotilla.relay.a.0"] {
+            assert_eq!(s.data_target_problem(ok), None, "{ok}");
+        }
+        for bad in [
+            "$JS.API.STREAM.DELETE.FLOTILLA_relay_relay-in",
+            "flotilla.relay._ctl.all.shutdown",
+            "flotilla.relay._timer.x",
+            "flotilla.relay._dlq.relay-in",
+            "flotilla.other.relay-out.1",
+            "flotilla.relay.relay-out.x",
+            "flotilla.relay.relay-out.1.2",
+            "flotilla.relay.relay-out.",
+            "flotilla.relay.relay-out.99999999999",
+            "flotilla.relay.",
+            "flotilla.relay.Upper",
+            "flotilla.relay.a.>",
+        ] {
+            assert!(s.data_target_problem(bad).is_some(), "{bad} was accepted");
+        }
     }
 }
