@@ -20,6 +20,7 @@ pub mod reaper;
 pub mod retry;
 pub mod state;
 pub mod stream;
+pub mod supervise;
 pub mod task;
 pub mod task_worker;
 pub mod timer_service;

@@ -515,7 +515,15 @@ impl TaskContext {
         &self,
         f: impl FnOnce() -> R + Send + 'static,
     ) -> Result<R, TaskError> {
-        tokio::task::spawn_blocking(f).await.map_err(|e| TaskError::failed(format!("blocking work failed: {e}")))
+        // Supervised on the blocking thread too: a panic there is this task's failure,
+        // not the node's (see `supervise`).
+        match tokio::task::spawn_blocking(move || crate::supervise::supervised(f)).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(panic)) => {
+                Err(TaskError::failed(format!("blocking work panicked: {}", crate::supervise::panic_text(&panic))))
+            }
+            Err(e) => Err(TaskError::failed(format!("blocking work failed: {e}"))),
+        }
     }
 
     pub(crate) fn outputs_handle(&self) -> &Outputs {

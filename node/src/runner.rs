@@ -215,6 +215,7 @@ where
 {
     let config = args.resolve()?;
     init_logging(&config)?;
+    exit_on_panic_outside_tasks();
     let system = actix::System::new();
     system.block_on(async move {
         let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
@@ -257,6 +258,33 @@ where
         }
         result.map_err(NodeError::from)
     })
+}
+
+/// The exit status of a node that panicked outside a task's code (EX_SOFTWARE).
+pub const PANIC_EXIT_STATUS: i32 = 70;
+
+/// Makes a panic outside a task's own code end the process with
+/// [`PANIC_EXIT_STATUS`]: the actor it happened in is gone, and a node that kept
+/// running would keep renewing leases it no longer serves (a zombie). Its partitions
+/// move once the leases expire. Panics in task code (`process`, hooks, deferred and
+/// blocking work, `Deserialize`) are caught and handled by the task's failure policy
+/// ([`flotilla_actors::supervise`]); they are only logged here.
+pub fn exit_on_panic_outside_tasks() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        previous(info);
+        if flotilla_actors::supervise::in_task_code() {
+            // Caught where it happened and handled there (a failed attempt or task).
+            return;
+        }
+        let thread = std::thread::current();
+        tracing::error!(
+            thread = thread.name().unwrap_or("unnamed"),
+            panic = %info,
+            "panic outside task code: the node exits so that its partitions move to live nodes"
+        );
+        std::process::exit(PANIC_EXIT_STATUS);
+    }));
 }
 
 async fn wait_for_signal() {
@@ -345,4 +373,36 @@ pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
         };
         crate::control::run_command(broker, job, command).await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs in a child process (this test binary again, with `FLOTILLA_PANIC_CHILD`):
+    /// a panic in task code is survived, one outside it ends the process with 70.
+    #[test]
+    fn a_panic_outside_task_code_ends_the_process_and_one_inside_does_not() {
+        if std::env::var_os("FLOTILLA_PANIC_CHILD").is_some() {
+            exit_on_panic_outside_tasks();
+            let caught = flotilla_actors::supervise::supervised(|| panic!("in a handler"));
+            assert!(caught.is_err());
+            eprintln!("survived the handler's panic");
+            let _ =
+                std::thread::Builder::new().name("timers".into()).spawn(|| panic!("in the run loop")).map(|t| t.join());
+            eprintln!("still running after a panic outside task code");
+            std::process::exit(0);
+        }
+        let exe = std::env::current_exe().expect("test binary");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", "runner::tests::a_panic_outside_task_code_ends_the_process_and_one_inside_does_not"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("FLOTILLA_PANIC_CHILD", "1")
+            .output()
+            .expect("run the child");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(PANIC_EXIT_STATUS), "{stderr}");
+        assert!(stderr.contains("survived the handler's panic"), "{stderr}");
+        assert!(!stderr.contains("still running"), "{stderr}");
+    }
 }

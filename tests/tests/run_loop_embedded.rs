@@ -1018,3 +1018,51 @@ async fn markers_on_a_queue_and_timers_aimed_outside_the_job_are_dead_lettered()
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// The input type's `Deserialize` is user code too: a panic there dead-letters that
+/// message as malformed and the partition goes on.
+#[actix_rt::test]
+async fn a_panicking_deserialize_dead_letters_the_message_and_the_partition_goes_on() {
+    tokio::time::pause();
+    #[derive(Debug, Serialize)]
+    struct Touchy(u64);
+    impl<'de> Deserialize<'de> for Touchy {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            let v = u64::deserialize(d)?;
+            assert!(v != 13, "unlucky number");
+            Ok(Touchy(v))
+        }
+    }
+    const TOUCHY: StreamDef<Touchy> = StreamDef::ordered("touchy", 1);
+    struct Count(Rc<RefCell<Vec<u64>>>);
+    impl Task for Count {
+        type Input = Touchy;
+        async fn process(&mut self, t: Touchy, _: &mut TaskContext) -> Result<(), TaskError> {
+            self.0.borrow_mut().push(t.0);
+            Ok(())
+        }
+    }
+    let seen: Rc<RefCell<Vec<u64>>> = Rc::default();
+    let s = seen.clone();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t").task(TOUCHY, move |_| Count(s.clone())).start(b.clone()).await.expect("start");
+    for v in [12u64, 13, 14] {
+        let msg = OutboundMessage::new("flotilla.t.touchy.0", codec().encode(&v).expect("encode"))
+            .with_id(format!("touchy-{v}"));
+        b.publish(msg).await.expect("publish");
+    }
+    wait_for(&b, "FLOTILLA_t_DLQ", 1).await;
+    for _ in 0..100 {
+        if seen.borrow().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(*seen.borrow(), vec![12, 14]);
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    let h = &dlq[0].2;
+    assert_eq!(h.get(headers::DLQ_REASON), Some("malformed"));
+    assert!(h.get(headers::DLQ_DETAIL).is_some_and(|d| d.contains("Deserialize panicked: unlucky number")), "{h:?}");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}

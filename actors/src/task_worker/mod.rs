@@ -36,16 +36,15 @@ use crate::events::{Event, emit};
 use crate::reaper::{DeadLetter, Reaper};
 use crate::state::{EnvelopeKind, Op, TaskState};
 use crate::stream::StreamKind;
+use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::{AckKind, AckToken, Delivery};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
-use futures::FutureExt;
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
-use std::panic::AssertUnwindSafe;
 use std::rc::Rc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
@@ -157,7 +156,7 @@ struct Claimed {
 
 /// What a `process` call hands back: the task, its context and the handler's result
 /// (`Err` when it panicked).
-type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Box<dyn std::any::Any + Send>>);
+type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Panic>);
 
 /// Which hook a non-process operation runs.
 enum Hook {
@@ -387,10 +386,18 @@ impl<T: Task> TaskWorker<T> {
         let Some(envelope) = self.inflight.get(&order) else { return };
         let d = &envelope.delivery;
         let decoded = match d.headers.kind() {
-            Some(MessageKind::Data) => {
+            // The input type's `Deserialize` is user code: a panic there is a message
+            // that cannot be decoded, not the end of the worker.
+            Some(MessageKind::Data) => supervised(|| {
                 TaskContext::decode::<T::Input>(&self.env.codec, &d.headers, self.binding.type_name, &d.payload)
-                    .map_err(|e| (e.reason(), e.to_string()))
-            }
+            })
+            .unwrap_or_else(|panic| {
+                Err(flotilla_transport::wire::CodecError::Malformed {
+                    type_name: self.binding.type_name.to_owned(),
+                    reason: format!("its Deserialize panicked: {}", panic_text(&panic)),
+                })
+            })
+            .map_err(|e| (e.reason(), e.to_string())),
             Some(marker @ (MessageKind::Drain | MessageKind::EndOfStream)) => Err((
                 "malformed",
                 format!(
@@ -431,7 +438,7 @@ impl<T: Task> TaskWorker<T> {
         let Some(mut task) = self.task.take() else { return };
         let mut tctx = self.context(Some(meta));
         let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
-            let result = AssertUnwindSafe(task.process(input, &mut tctx)).catch_unwind().await;
+            let result = Supervised::new(task.process(input, &mut tctx)).await;
             (task, tctx, result)
         });
         // Most handlers finish without waiting on anything: run them here, in this turn,
@@ -495,7 +502,7 @@ impl<T: Task> TaskWorker<T> {
                 self.await_effects(order, outputs, ctx);
             }
             Some(fut) => {
-                let fut = AssertUnwindSafe(fut).catch_unwind();
+                let fut = Supervised::new(fut);
                 ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
                     match result {
                         Ok(Ok(())) => {
@@ -749,7 +756,7 @@ impl<T: Task> TaskWorker<T> {
         };
         let label = kind.label();
         let fut = async move {
-            let result = AssertUnwindSafe(async {
+            let result = Supervised::new(async {
                 match hook {
                     Hook::Init => task.init(&mut tctx).await,
                     Hook::Window => task.window(&mut tctx).await,
@@ -765,7 +772,6 @@ impl<T: Task> TaskWorker<T> {
                     Hook::Shutdown => task.shutdown(&mut tctx).await,
                 }
             })
-            .catch_unwind()
             .await;
             (task, tctx, result)
         };
@@ -1019,14 +1025,6 @@ impl<T: Task> TaskWorker<T> {
             }
         }
     }
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-text panic payload".to_owned())
 }
 
 impl<T: Task> Actor for TaskWorker<T> {
