@@ -5,10 +5,12 @@
 //!   `id` in decimal; ordered output `relay-out`, same type and key. `--queue` switches
 //!   both to queue streams `relay-jobs` → `relay-done`;
 //! * a body starting with `poison` fails every attempt (so it ends in the DLQ after
-//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; anything else is
-//!   forwarded unchanged;
+//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; a body starting
+//!   with `crash` aborts the node process every time (so, with nodes restarted as a
+//!   supervisor would, it ends in the DLQ as `crash-loop` after `--crash-limit` counted
+//!   crashes); anything else is forwarded unchanged;
 //! * flags `--nats URL`, `--partitions N` (8), `--max-attempts N` (3),
-//!   `--ack-wait DURATION` (30s), `--node-id ID`; `publish --count N [--poison K]`
+//!   `--ack-wait DURATION` (30s), `--node-id ID`, `--crash-limit N` (3); `publish --count N [--poison K]`
 //!   publishes N records (K of them poison) and exits;
 //! * with `--nats`, several relay processes form a cluster and share `relay-in`'s
 //!   partitions; the control subcommands (`status`, `drain`, `stop --node ID`,
@@ -63,6 +65,10 @@ struct Args {
     /// Queue mode: records in flight at once per node (ordered mode is always 1, to keep order).
     #[arg(long, default_value_t = 64, global = true, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     concurrency: u64,
+    /// Ordered mode: how many counted times a record may end its node before it is
+    /// dead-lettered as crash-loop.
+    #[arg(long, default_value_t = 3, global = true, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    crash_limit: u32,
     /// Embedded broker only: how many records the demo feeds itself.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=10_000_000))]
     demo: u64,
@@ -112,6 +118,12 @@ impl Task for Relay<Record> {
     async fn process(&mut self, record: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
         if ctx.message().is_some_and(|m| m.delivered > 1 && u64::from(m.attempt) == m.delivered) {
             self.counts.redelivered.set(self.counts.redelivered.get() + 1);
+        }
+        if record.body.starts_with("crash") {
+            // What a message that kills its node looks like (a segfault in a native
+            // library, an out-of-memory kill): the process ends, nothing is caught.
+            eprintln!("relay: record {} crashes this node", record.id);
+            std::process::abort();
         }
         if record.body.starts_with("poison") {
             self.counts.failed_attempts.set(self.counts.failed_attempts.get() + 1);
@@ -229,6 +241,7 @@ fn main() -> anyhow::Result<()> {
         .max_attempts(args.max_attempts)
         .ack_wait(args.ack_wait)
         .max_concurrency(if args.queue { args.concurrency as usize } else { 1 })
+        .crash_limit(args.crash_limit)
         .retry(RetryPolicy {
             max_attempts: args.max_attempts,
             initial_backoff: Duration::from_millis(100),

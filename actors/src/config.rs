@@ -37,6 +37,11 @@ pub struct TaskConfig {
     pub window: u32,
     /// What a task failure does.
     pub failure_policy: FailurePolicy,
+    /// Ordered inputs: how often a message may end its owner (a crash of the process,
+    /// a hang past `callback_timeout`, a task failure) before it is dead-lettered as
+    /// `crash-loop` instead of ending the next one. Counted across nodes in the job's
+    /// KV bucket `SUSPECTS`.
+    pub crash_limit: u32,
 }
 
 impl Default for TaskConfig {
@@ -52,6 +57,7 @@ impl Default for TaskConfig {
             ack_wait: Duration::from_secs(30),
             window: 256,
             failure_policy: FailurePolicy::default(),
+            crash_limit: 3,
         }
     }
 }
@@ -95,6 +101,9 @@ impl TaskConfig {
         }
         if self.window == 0 {
             return Err(err("window", "must be at least 1"));
+        }
+        if self.crash_limit == 0 {
+            return Err(err("crash_limit", "must be at least 1 (the times a message may end its owner)"));
         }
         Ok(())
     }

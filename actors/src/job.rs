@@ -225,6 +225,15 @@ impl Job {
         self
     }
 
+    /// Ordered inputs: how often a message may end its owner (crash, hang, task
+    /// failure) before it is dead-lettered as `crash-loop` (default 3).
+    pub fn crash_limit(mut self, n: u32) -> Self {
+        if let Some(c) = self.last("crash_limit") {
+            c.crash_limit = n;
+        }
+        self
+    }
+
     /// How long a graceful stop waits for in-flight work.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         if let Some(c) = self.last("drain_timeout") {
@@ -316,6 +325,9 @@ impl Job {
         let timers_name = timers.name.clone();
         broker.ensure_stream(timers).await?;
         broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
+        if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
+            broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None)).await?;
+        }
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;
             let spec = match kind {
@@ -375,7 +387,7 @@ impl Job {
                         );
                         // A restarted task resumes at the committed position.
                         s.takeover = Some(spec);
-                        s.delivered_consumer_seq = Some(resumed.delivered_consumer_seq);
+                        s.start = Some((&resumed).into());
                         slots.push(s);
                     }
                 }
@@ -797,7 +809,7 @@ fn slot(
         slot: index,
         epoch,
         fence: fence.clone(),
-        delivered_consumer_seq: None,
+        start: None,
     };
     SlotSpec {
         stream: t.stream.to_owned(),
@@ -808,13 +820,12 @@ fn slot(
         policy: t.config.failure_policy,
         sweep: matches!(t.kind, StreamKind::Queue),
         takeover: None,
-        delivered_consumer_seq: None,
+        start: None,
         epoch,
         fence,
         paused: false,
         spawn: Box::new(move |sc| {
-            let binding =
-                Binding { slot: sc.slot, delivered_consumer_seq: sc.delivered_consumer_seq, ..binding.clone() };
+            let binding = Binding { slot: sc.slot, start: sc.start, ..binding.clone() };
             starter(env.clone(), binding, config.clone(), sc)
         }),
     }

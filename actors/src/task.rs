@@ -175,12 +175,24 @@ pub struct TaskEnv {
     /// Output streams known to exist, with the subject (the partition's, less its
     /// number, for ordered streams) outputs to them go to.
     provisioned: RefCell<FxHashMap<&'static str, Rc<str>>>,
+    /// One suspect message in flight per node at a time (see
+    /// [`SuspectRecord`](crate::task_worker::SuspectRecord)): when a node dies, the one
+    /// suspect it was running is the one to blame, not its neighbours in other
+    /// partitions.
+    pub(crate) suspect_lane: std::sync::Arc<tokio::sync::Semaphore>,
 }
 
 impl TaskEnv {
     /// An environment for `subjects`' job.
     pub fn new(broker: SharedBroker, codec: Codec, subjects: Subjects, run_id: impl Into<String>) -> Self {
-        Self { broker, codec, subjects, run_id: run_id.into(), provisioned: RefCell::default() }
+        Self {
+            broker,
+            codec,
+            subjects,
+            run_id: run_id.into(),
+            provisioned: RefCell::default(),
+            suspect_lane: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+        }
     }
 
     /// Makes sure the stream behind `def` exists (once per node), and returns the

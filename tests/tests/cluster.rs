@@ -410,6 +410,75 @@ async fn a_node_killed_and_restarted_with_its_id_within_a_second_takes_it_over_a
     wait_all_out(&c, n, Duration::from_secs(90)).await;
 }
 
+/// A record that aborts every node that runs it, with nodes restarted at once as a
+/// supervisor would: it ends in the DLQ as `crash-loop` after the crash limit (3
+/// counted crashes; the first, before anything is suspect, is not counted), and every
+/// other record is relayed.
+#[actix_rt::test]
+async fn a_record_that_kills_every_node_ends_in_the_dlq_as_a_crash_loop() {
+    let mut c = Cluster::start(&["a", "b"]).await;
+    c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
+    const N: u64 = 400;
+    const CRASHER: u64 = 123;
+    let msgs: Vec<OutboundMessage> = (0..N)
+        .map(|id| {
+            if id != CRASHER {
+                return record(id);
+            }
+            let key = id.to_string();
+            let payload = Codec::default().encode(&Record { id, body: "crash".into() }).expect("encode");
+            OutboundMessage::new(format!("flotilla.relay.relay-in.{}", partition_for(&key, PARTITIONS)), payload)
+                .with_id(format!("in-{id}"))
+                .with_header(headers::KEY, key)
+        })
+        .collect();
+    for ack in c.broker.publish_batch(msgs).await {
+        ack.expect("publish");
+    }
+    // The supervisor: a node that died is started again with its id at once.
+    let started = Instant::now();
+    let mut crashes = 0;
+    let dlq_reason = loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no crash-loop dead letter after {crashes} crashes{}",
+            c.all_logs()
+        );
+        for id in ["a", "b"] {
+            if c.nodes.get_mut(id).expect("node").wait_timeout(Duration::from_millis(1)).is_some() {
+                crashes += 1;
+                std::fs::rename(c.log(id), c.dir.path().join(format!("{id}-crash-{crashes}.log"))).expect("keep log");
+                c.add(id);
+            }
+        }
+        let dead = read_stream(&c.broker, "FLOTILLA_relay_DLQ").await;
+        if let Some((_, h, _, _)) = dead.first() {
+            break (
+                h.get(headers::DLQ_REASON).unwrap_or_default().to_owned(),
+                h.get(headers::DLQ_DETAIL).unwrap_or_default().to_owned(),
+                h.get(headers::KEY).unwrap_or_default().to_owned(),
+                dead.len(),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (reason, detail, key, dead) = dlq_reason;
+    assert_eq!((reason.as_str(), key.as_str(), dead), ("crash-loop", "123", 1), "{detail}");
+    assert!(detail.contains("started 3 times"), "{detail}");
+    assert!((4..=5).contains(&crashes), "{crashes} crashes before the quarantine (1 uncounted + 3 counted expected)");
+    eprintln!("crash loop: {crashes} crashes, then dead-lettered: {detail}");
+    let ids = out_ids(&c.broker).await;
+    let start = Instant::now();
+    let mut ids = ids;
+    while ids.len() < (N - 1) as usize && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        ids = out_ids(&c.broker).await;
+    }
+    let missing: Vec<u64> = (0..N).filter(|i| *i != CRASHER && !ids.contains(i)).take(20).collect();
+    assert!(missing.is_empty(), "records missing from relay-out: {missing:?}{}", c.all_logs());
+    assert!(!ids.contains(&CRASHER));
+}
+
 #[actix_rt::test]
 async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
     let mut c = Cluster::start(&["a", "b", "c"]).await;

@@ -1066,3 +1066,54 @@ async fn a_panicking_deserialize_dead_letters_the_message_and_the_partition_goes
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// A message that hangs its task every time, under `RestartTask`, would restart the
+/// partition forever. Once the partition is taken over with unfinished work, each
+/// message up to where the failed task had got is a suspect, counted in the job's KV;
+/// the one that ends `crash_limit` (here 2) counted owners is dead-lettered as
+/// `crash-loop`, and the partition goes on.
+#[actix_rt::test]
+async fn a_message_that_hangs_its_task_every_time_is_dead_lettered_as_a_crash_loop() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let starts = Rc::new(RefCell::new(0u32));
+    let s = starts.clone();
+    let job = Job::new("t")
+        .task(IN, move |p| {
+            if p == Some(partition_for("1", 4)) {
+                *s.borrow_mut() += 1;
+            }
+            Relay::<false>
+        })
+        .on_failure(FailurePolicy::RestartTask)
+        .callback_timeout(Duration::from_secs(1))
+        .crash_limit(2)
+        .start(b.clone())
+        .await
+        .expect("start");
+    // Records 1 and 2 share a partition only by chance: use keys of the same partition.
+    let p = partition_for("1", 4);
+    let same: Vec<u64> = (2..200).filter(|id| partition_for(&id.to_string(), 4) == p).take(3).collect();
+    publish(&b, "in", true, 1, "sleep:100000000").await;
+    for id in &same {
+        publish(&b, "in", true, *id, "ok").await;
+    }
+    wait_for(&b, "FLOTILLA_t_DLQ", 1).await;
+    wait_for(&b, "FLOTILLA_t_out", same.len() as u64).await;
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].1.id, 1);
+    assert_eq!(dlq[0].2.get(headers::DLQ_REASON), Some("crash-loop"));
+    assert!(dlq[0].2.get(headers::DLQ_DETAIL).is_some_and(|d| d.contains("started 2 times")), "{:?}", dlq[0].2);
+    let out: Vec<u64> = read_all(&b, "FLOTILLA_t_out", None).await.iter().map(|(_, r, _)| r.id).collect();
+    assert_eq!(out, same, "the others, in order");
+    // The first owner's hang is not counted (nothing was suspect yet), then two counted.
+    assert_eq!(calls(1), 3, "the hanging record ran three times");
+    assert_eq!(*starts.borrow(), 4, "three tasks ended by it, then one that went on");
+    // Once everything suspect is committed, the record goes.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let bucket = "FLOTILLA_t_SUSPECTS";
+    assert_eq!(b.kv_get(bucket, &format!("in.{p}")).await.expect("read"), None, "suspect record left behind");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}

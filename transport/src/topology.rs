@@ -105,12 +105,23 @@ pub async fn provision_ordered(
     Ok(())
 }
 
+/// Where an ordered partition resumes after [`take_over_partition`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resumption {
+    /// The consumer as taken over (after the reset, if one was needed). Its
+    /// `delivered_consumer_seq` is the delivery the new owner's first one must follow
+    /// (0 after a reset).
+    pub state: ConsumerState,
+    /// When the previous owner left deliveries unfinished (it died, failed, hung or
+    /// lost them): the stream sequence of the last one delivered to it. One of the
+    /// messages up to there may be what ended it.
+    pub orphaned_up_to: Option<u64>,
+}
+
 /// Takes over an ordered partition: when its consumer delivered beyond the committed
 /// position (a previous owner died, handed over what it had claimed but not started,
 /// or a delivery was lost in transit), recreates it at the committed position so
-/// processing resumes at once, in order, and as first deliveries. Returns the state the
-/// partition resumes from: its `delivered_consumer_seq` is the delivery the new
-/// owner's first one must follow (0 after a reset).
+/// processing resumes at once, in order, and as first deliveries.
 ///
 /// # Errors
 /// Whatever the broker returns. A caller must not consume the partition after an
@@ -120,10 +131,10 @@ pub async fn take_over_partition(
     broker: &SharedBroker,
     js_stream: &str,
     spec: ConsumerSpec,
-) -> BrokerResult<ConsumerState> {
+) -> BrokerResult<Resumption> {
     let state = broker.consumer_state(js_stream, &spec.name).await?;
     if state.num_ack_pending == 0 && state.delivered <= state.ack_floor {
-        return Ok(state);
+        return Ok(Resumption { state, orphaned_up_to: None });
     }
     tracing::info!(
         stream = js_stream,
@@ -132,7 +143,9 @@ pub async fn take_over_partition(
         resume_at = state.ack_floor + 1,
         "taking over a partition with unacked deliveries: resuming at the committed position"
     );
-    broker.reset_consumer(js_stream, spec, state.ack_floor + 1).await
+    let orphaned_up_to = Some(state.delivered);
+    let state = broker.reset_consumer(js_stream, spec, state.ack_floor + 1).await?;
+    Ok(Resumption { state, orphaned_up_to })
 }
 
 /// Provisions a queue input: its stream and its shared consumer.

@@ -30,8 +30,8 @@ pub struct AddSlot {
     pub fence: crate::cluster::Fence,
     /// Starts paused.
     pub paused: bool,
-    /// The partition consumer's delivery sequence where the slot's worker starts.
-    pub delivered_consumer_seq: Option<u64>,
+    /// Where the partition resumes.
+    pub start: Option<crate::task_worker::PartitionStart>,
 }
 
 /// Hand a slot over gracefully: stop claiming, finish in-flight work, commit, stop the

@@ -54,9 +54,9 @@ pub struct SlotContext {
     pub timers: Addr<TimerService>,
     /// The node's reaper.
     pub reaper: Addr<Reaper>,
-    /// Ordered inputs: the partition consumer's delivery sequence before the worker's
-    /// first delivery (see [`Binding`](crate::task_worker::Binding)).
-    pub delivered_consumer_seq: Option<u64>,
+    /// Ordered inputs: where the partition resumes (see
+    /// [`PartitionStart`](crate::task_worker::PartitionStart)).
+    pub start: Option<crate::task_worker::PartitionStart>,
 }
 
 /// Starts a worker for a slot.
@@ -81,9 +81,9 @@ pub struct SlotSpec {
     /// Ordered inputs: the partition consumer, reset at the committed position before a
     /// restarted task starts (so it resumes in order, at once).
     pub takeover: Option<flotilla_transport::broker::ConsumerSpec>,
-    /// Ordered inputs: the partition consumer's delivery sequence where the next worker
-    /// starts, as the last take-over read it (updated by each reset).
-    pub delivered_consumer_seq: Option<u64>,
+    /// Ordered inputs: where the next worker starts, as the last take-over found it
+    /// (updated by each reset).
+    pub start: Option<crate::task_worker::PartitionStart>,
     /// The partition's lease epoch (0 without leases).
     pub epoch: u64,
     /// Cluster mode: the partition's lease fence. Nothing is claimed for the slot, and a
@@ -125,6 +125,8 @@ struct Slot {
     resetting: bool,
     /// Resets in a row that failed (the next waits longer; no worker starts meanwhile).
     reset_failures: u32,
+    /// The restart under way follows a lost delivery ([`Outcome::Resync`]), not a failure.
+    resyncing: bool,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
     paused: bool,
@@ -153,6 +155,7 @@ impl Slot {
             restart_pending: false,
             resetting: false,
             reset_failures: 0,
+            resyncing: false,
             stopping: false,
             paused,
             step_credits: 0,
@@ -298,7 +301,7 @@ impl Container {
             container: ctx.address().recipient(),
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
-            delivered_consumer_seq: self.slots[i].spec.delivered_consumer_seq,
+            start: self.slots[i].spec.start,
         };
         let handle = (self.slots[i].spec.spawn)(sc);
         if self.slots[i].paused {
@@ -506,9 +509,14 @@ impl Container {
                 return;
             }
             match result {
-                Ok(state) => {
+                Ok(resumed) => {
                     s.reset_failures = 0;
-                    s.spec.delivered_consumer_seq = Some(state.delivered_consumer_seq);
+                    let mut start = crate::task_worker::PartitionStart::from(&resumed);
+                    if std::mem::take(&mut s.resyncing) {
+                        // Lost in transit, not ended by a message: nothing is suspect.
+                        start.suspects_up_to = None;
+                    }
+                    s.spec.start = Some(start);
                     if !act.stopping {
                         s.restart_pending = false;
                         act.spawn_worker(i, ctx);
@@ -688,6 +696,7 @@ impl Handler<WorkerReport> for Container {
                         info!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, "resetting the partition to its committed position");
                         s.worker = None;
                         s.restart_pending = true;
+                        s.resyncing = true;
                         self.restart(slot, ctx);
                     }
                     Outcome::Drained | Outcome::EndOfStream if self.observer.is_none() => {
@@ -717,7 +726,7 @@ impl Handler<AddSlot> for Container {
     fn handle(&mut self, add: AddSlot, ctx: &mut Context<Self>) -> Option<usize> {
         let factory = self.partitions.as_ref()?;
         let mut spec = factory(&add.stream, add.partition, add.epoch, add.fence, add.paused)?;
-        spec.delivered_consumer_seq = add.delivered_consumer_seq;
+        spec.start = add.start;
         let i = self.slots.len();
         info!(stream = %spec.stream, partition = ?spec.partition, epoch = spec.epoch, "consuming a partition");
         self.slots.push(Slot::new(spec));

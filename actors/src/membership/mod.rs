@@ -584,7 +584,7 @@ impl Membership {
                 epoch: revision,
                 fence: fence.clone(),
                 paused,
-                delivered_consumer_seq: acquired.delivered_consumer_seq,
+                start: acquired.start,
             };
             info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
             act.unleased_since.remove(&part);

@@ -56,9 +56,8 @@ pub struct AcquireLease {
 pub struct Acquired {
     /// The lease's revision: the partition's fencing epoch.
     pub revision: u64,
-    /// The partition consumer's delivery sequence where the new owner starts (after
-    /// the take-over), when a consumer was given.
-    pub delivered_consumer_seq: Option<u64>,
+    /// Where the partition resumes (after the take-over), when a consumer was given.
+    pub start: Option<crate::task_worker::PartitionStart>,
 }
 
 /// Remove what departed nodes left behind in the control bucket (`stop.<node>` keys).

@@ -162,12 +162,10 @@ impl Handler<AcquireLease> for Reaper {
                 Err(e) => return Err(e),
             };
             let Some(spec) = msg.consumer else {
-                return Ok(Some(Acquired { revision, delivered_consumer_seq: None }));
+                return Ok(Some(Acquired { revision, start: None }));
             };
             match flotilla_transport::topology::take_over_partition(&broker, &msg.js_stream, spec).await {
-                Ok(state) => {
-                    Ok(Some(Acquired { revision, delivered_consumer_seq: Some(state.delivered_consumer_seq) }))
-                }
+                Ok(resumed) => Ok(Some(Acquired { revision, start: Some((&resumed).into()) })),
                 Err(e) => {
                     // Give the lease back rather than run the partition from wherever its
                     // consumer is now: one re-created by a node provisioning meanwhile

@@ -9,6 +9,12 @@
 //! would be acknowledged unprocessed. The consumer numbers its deliveries
 //! (redeliveries included) one after another, so a worker that knows the number
 //! before its first delivery can tell, per delivery, that nothing went missing.
+//!
+//! The second decides which message ended the partition's previous owners
+//! ([`Suspects`]), so that a message that kills every node that runs it is
+//! dead-lettered instead of taking the cluster down node by node.
+
+use std::collections::BTreeMap;
 
 /// Ordered inputs: the consumer's delivery numbering as this worker has seen it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +62,72 @@ impl DeliverySequence {
     }
 }
 
+/// A partition's suspects as the job's KV keeps them (bucket `SUSPECTS`, key
+/// `<stream>.<partition>`): messages an owner started and was not seen to finish, with
+/// how often. A message that ends its owner (the process dies, the callback hangs past
+/// its timeout, the task fails) is never seen to finish, so its count grows with each
+/// owner it ends; a message that finishes leaves the record at once.
+///
+/// A node runs one suspect at a time, across all its partitions, and each suspect's
+/// start and finish are stored before the next starts: when a node dies, exactly one
+/// suspect was running, and only it is counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SuspectRecord {
+    /// Stream sequence → times started without being seen to finish.
+    pub started: BTreeMap<u64, u32>,
+}
+
+/// Ordered inputs, after a take-over that found the previous owner's work unfinished:
+/// which messages are suspects and what to do before and after each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Suspects {
+    /// The last stream sequence delivered to the previous owner.
+    up_to: u64,
+    /// Starts without finishing after which a message is quarantined.
+    limit: u32,
+}
+
+/// What to do before starting a suspect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SuspectVerdict {
+    /// Store this record (the suspect counted once more), then start it.
+    Start(SuspectRecord),
+    /// It ended its owners this many times: dead-letter it as `crash-loop`.
+    Quarantine {
+        /// Times started without finishing.
+        starts: u32,
+    },
+}
+
+impl Suspects {
+    /// Suspects up to stream sequence `up_to`, quarantined after `limit` starts.
+    pub(crate) fn new(up_to: u64, limit: u32) -> Self {
+        Self { up_to, limit: limit.max(1) }
+    }
+
+    /// Whether the message at `seq` is a suspect.
+    pub(crate) fn covers(&self, seq: u64) -> bool {
+        seq <= self.up_to
+    }
+
+    /// Before starting `seq`, with the record as stored and the committed position.
+    pub(crate) fn judge(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectVerdict {
+        record.started.retain(|s, _| *s > committed);
+        let starts = record.started.get(&seq).copied().unwrap_or(0);
+        if starts >= self.limit {
+            return SuspectVerdict::Quarantine { starts };
+        }
+        record.started.insert(seq, starts + 1);
+        SuspectVerdict::Start(record)
+    }
+
+    /// After `seq` finished (processed, or dead-lettered): the record without it.
+    pub(crate) fn finish(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+        record.started.retain(|s, _| *s > committed && *s != seq);
+        record
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +166,42 @@ mod tests {
         assert_eq!(seq.arrive(300), Arrival::Next);
         assert_eq!(seq.arrive(301), Arrival::Next);
         assert_eq!(seq.arrive(303), Arrival::Gap { expected: 302, got: 303 });
+    }
+
+    #[test]
+    fn a_message_that_never_finishes_is_quarantined_after_the_limit() {
+        let s = Suspects::new(120, 3);
+        let mut record = SuspectRecord::default();
+        // Three owners start 105 and die with it.
+        for n in 1..=3 {
+            match s.judge(record.clone(), 105, 100) {
+                SuspectVerdict::Start(r) => record = r,
+                other => panic!("start {n}: {other:?}"),
+            }
+            assert_eq!(record.started.get(&105), Some(&n));
+        }
+        assert_eq!(s.judge(record, 105, 100), SuspectVerdict::Quarantine { starts: 3 });
+    }
+
+    #[test]
+    fn a_message_that_finishes_leaves_the_record_and_so_does_what_is_committed() {
+        // The crasher 110 ended an owner once; this owner re-runs 105 first.
+        let s = Suspects::new(120, 3);
+        let record = SuspectRecord { started: BTreeMap::from([(110, 1)]) };
+        let SuspectVerdict::Start(running) = s.judge(record, 105, 100) else { panic!("quarantined") };
+        assert_eq!(running.started, BTreeMap::from([(105, 1), (110, 1)]));
+        let done = s.finish(running, 105, 100);
+        assert_eq!(done.started, BTreeMap::from([(110, 1)]), "105 finished: only the crasher is left");
+        let SuspectVerdict::Start(again) = s.judge(done, 110, 100) else { panic!("quarantined") };
+        assert_eq!(again.started, BTreeMap::from([(110, 2)]));
+        // What is committed leaves the record.
+        assert_eq!(s.finish(again, 115, 112).started, BTreeMap::new());
+    }
+
+    #[test]
+    fn only_what_the_previous_owner_had_is_suspect() {
+        let s = Suspects::new(50, 3);
+        assert!(s.covers(50) && !s.covers(51));
+        assert_eq!(Suspects::new(5, 0).limit, 1, "a limit of 0 would quarantine without a crash");
     }
 }

@@ -30,7 +30,8 @@ mod messages;
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
-use self::core::{Arrival, DeliverySequence};
+pub use self::core::SuspectRecord;
+use self::core::{Arrival, DeliverySequence, SuspectVerdict, Suspects};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::reaper::{DeadLetter, Reaper};
@@ -40,7 +41,7 @@ use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
-use flotilla_transport::broker::{AckKind, AckToken, Delivery};
+use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
@@ -50,6 +51,9 @@ use std::task::{Poll, Waker};
 use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, warn};
+
+/// The job's KV bucket of suspects ([`SuspectRecord`] per partition).
+pub const SUSPECTS: &str = "SUSPECTS";
 
 /// Where a worker's messages come from.
 #[derive(Debug, Clone)]
@@ -69,11 +73,29 @@ pub struct Binding {
     /// Whether this node may still act for the partition (cluster mode): once it is not
     /// valid, the worker starts, publishes and commits nothing more and stops.
     pub fence: Option<crate::cluster::Fence>,
-    /// Ordered inputs: the partition consumer's delivery sequence before this worker's
-    /// first delivery (0 after a reset), when known. Each delivery must follow the one
-    /// before it; one that does not means a delivery was lost, and the worker stops
-    /// committing and asks for a reset ([`Outcome::Resync`]).
-    pub delivered_consumer_seq: Option<u64>,
+    /// Ordered inputs: where the partition resumed, when known.
+    pub start: Option<PartitionStart>,
+}
+
+/// Where an ordered partition's worker starts, as its take-over found it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PartitionStart {
+    /// The partition consumer's delivery sequence before the worker's first delivery
+    /// (0 after a reset). Each delivery must follow the one before it; one that does
+    /// not means a delivery was lost, and the worker stops committing and asks for a
+    /// reset ([`Outcome::Resync`]).
+    pub delivered_consumer_seq: u64,
+    /// The previous owner left messages unfinished up to this stream sequence (it died,
+    /// hung or failed): each of them is a suspect, counted in the job's KV while it
+    /// runs, and dead-lettered as `crash-loop` once it has been started
+    /// `crash_limit` times without finishing.
+    pub suspects_up_to: Option<u64>,
+}
+
+impl From<&flotilla_transport::topology::Resumption> for PartitionStart {
+    fn from(r: &flotilla_transport::topology::Resumption) -> Self {
+        Self { delivered_consumer_seq: r.state.delivered_consumer_seq, suspects_up_to: r.orphaned_up_to }
+    }
 }
 
 impl Binding {
@@ -196,6 +218,11 @@ pub struct TaskWorker<T: Task> {
     sequence: DeliverySequence,
     /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
     resync: Option<String>,
+    /// Ordered inputs after a take-over that found unfinished work: the suspects.
+    suspects: Option<Suspects>,
+    /// The suspect this worker runs, holding the node's suspect lane until its finish
+    /// is stored.
+    lane: Option<(u64, tokio::sync::OwnedSemaphorePermit)>,
     retries: VecDeque<u64>,
     due_timers: Vec<String>,
     stopping: bool,
@@ -232,7 +259,9 @@ impl<T: Task> TaskWorker<T> {
         reaper: Addr<Reaper>,
     ) -> Self {
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
-        let sequence = DeliverySequence::after(binding.delivered_consumer_seq);
+        let sequence = DeliverySequence::after(binding.start.map(|s| s.delivered_consumer_seq));
+        let suspects =
+            binding.start.and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
         Self {
             task: Some(Box::new(task)),
             state,
@@ -249,6 +278,8 @@ impl<T: Task> TaskWorker<T> {
             last_commit: None,
             sequence,
             resync: None,
+            suspects,
+            lane: None,
             retries: VecDeque::new(),
             due_timers: Vec::new(),
             stopping: false,
@@ -355,8 +386,13 @@ impl<T: Task> TaskWorker<T> {
                         unavailable: 0,
                     };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
+                    let seq = envelope.delivery.info.stream_seq;
                     self.inflight.insert(p.order, Envelope { attempt, ..envelope });
-                    self.start_attempt(p.order, ctx);
+                    if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
+                        self.count_suspect(p.order, seq, ctx);
+                    } else {
+                        self.start_attempt(p.order, ctx);
+                    }
                 }
                 Op::Commit => self.run_hook(Hook::Commit, ctx),
                 Op::Window => self.run_hook(Hook::Window, ctx),
@@ -369,6 +405,115 @@ impl<T: Task> TaskWorker<T> {
                 Op::NoOp => return,
             }
         }
+    }
+
+    /// Before a suspect starts: waits for the node's suspect lane (one suspect runs at
+    /// a time per node), then counts it in the job's KV, or dead-letters it as
+    /// `crash-loop` when it already ended `crash_limit` owners. It starts (as a retry
+    /// does, once the task is home) when the count is stored. When the count cannot be
+    /// stored it starts uncounted: the count is a safety net, and a wedged partition
+    /// would be worse.
+    fn count_suspect(&mut self, order: u64, seq: u64, ctx: &mut Context<Self>) {
+        let Some(suspects) = self.suspects else { return };
+        let lane = self.env.suspect_lane.clone();
+        let change = self.change_suspects();
+        let committed = self.committed_seq;
+        let fut = async move {
+            let permit = lane.acquire_owned().await.ok();
+            let verdict = change(Box::new(move |record| match suspects.judge(record, seq, committed) {
+                SuspectVerdict::Start(record) => (Some(record), None),
+                SuspectVerdict::Quarantine { starts } => (None, Some(starts)),
+            }))
+            .await;
+            (verdict, permit)
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(verdict, permit), act, ctx| {
+            act.lane = permit.map(|p| (seq, p));
+            match verdict {
+                Ok(None) => act.retries.push_back(order),
+                Ok(Some(starts)) => {
+                    let limit = act.config.crash_limit;
+                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
+                    act.dead_letter(
+                        order,
+                        "crash-loop",
+                        format!(
+                            "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
+                        ),
+                        ctx,
+                    );
+                }
+                Err(e) => {
+                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
+                    act.retries.push_back(order);
+                }
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// The suspect at `seq` finished: store that (it leaves the record), then free the
+    /// node's suspect lane for the next.
+    fn suspect_finished(&mut self, seq: u64) {
+        let (Some(suspects), Some((running, _))) = (self.suspects, &self.lane) else { return };
+        if *running != seq {
+            return;
+        }
+        let permit = self.lane.take();
+        let committed = self.committed_seq;
+        let stored =
+            self.change_suspects()(Box::new(move |record| (Some(suspects.finish(record, seq, committed)), ())));
+        actix::spawn(async move {
+            if let Err(e) = stored.await {
+                debug!(error = %e, seq, "finished suspect not stored; a later owner may count it once more");
+            }
+            drop(permit);
+        });
+    }
+
+    /// A function that reads this partition's suspect record, lets `decide` say what
+    /// to store (and what to answer), and stores it by compare-and-set, again on a race.
+    #[allow(clippy::type_complexity)]
+    fn change_suspects<R: 'static>(
+        &self,
+    ) -> impl FnOnce(
+        Box<dyn Fn(SuspectRecord) -> (Option<SuspectRecord>, R)>,
+    ) -> LocalBoxFuture<'static, Result<R, BrokerError>>
+    + 'static {
+        let broker = self.env.broker.clone();
+        let bucket = self.env.subjects.bucket_name(SUSPECTS);
+        let key = self.suspects_key();
+        move |decide| {
+            Box::pin(async move {
+                for _ in 0..5 {
+                    let entry = broker.kv_get(&bucket, &key).await?;
+                    let record = entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+                    let (store, answer) = decide(record);
+                    let Some(record) = store else { return Ok(answer) };
+                    let value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+                    let written = match (&entry, record.started.is_empty()) {
+                        // Nothing suspect any more: the record goes.
+                        (Some(e), true) => broker.kv_delete(&bucket, &key, Some(e.revision)).await.map(|()| 0),
+                        (None, true) => return Ok(answer),
+                        (Some(e), false) => broker.kv_update(&bucket, &key, value, e.revision).await,
+                        (None, false) => broker.kv_create(&bucket, &key, value).await,
+                    };
+                    match written {
+                        Ok(_) => return Ok(answer),
+                        Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(BrokerError::Other {
+                    operation: format!("update suspect record {key}"),
+                    reason: "the record kept changing under this owner".into(),
+                })
+            })
+        }
+    }
+
+    fn suspects_key(&self) -> String {
+        format!("{}.{}", self.binding.stream, self.binding.partition.unwrap_or(0))
     }
 
     /// Starts (or retries) processing of the message at `order`.
@@ -624,6 +769,7 @@ impl<T: Task> TaskWorker<T> {
     /// The message is processed and its outputs are stored.
     fn effects_stored(&mut self, order: u64) {
         let Some(envelope) = self.inflight.remove(&order) else { return };
+        self.suspect_finished(envelope.delivery.info.stream_seq);
         if self.binding.ordered() {
             self.state.effects_done(order);
             self.maybe_request_commit();
