@@ -228,6 +228,23 @@ pub struct ControlRequest {
     /// The partition it targets.
     #[serde(default)]
     pub partition: Option<u32>,
+    /// `status`: the first of the node's slots to report. A node answers with at most
+    /// [`STATUS_PAGE`] slots and says where the next page starts
+    /// ([`NodeStatus::more_from`]), so a node with 10,000 partitions stays under
+    /// NATS's message size limit.
+    #[serde(default)]
+    pub offset: Option<u64>,
+}
+
+/// The most slots one `status` reply carries.
+pub const STATUS_PAGE: usize = 500;
+
+/// The page of `slots` that starts at `from`, and where the next one starts.
+pub fn status_page(mut slots: Vec<SlotStatus>, from: usize) -> (Vec<SlotStatus>, Option<u64>) {
+    let total = slots.len();
+    let end = from.saturating_add(STATUS_PAGE).min(total);
+    let page = if from < end { slots.drain(from..end).collect() } else { Vec::new() };
+    (page, (end < total).then_some(end as u64))
 }
 
 /// A node's answer.
@@ -263,8 +280,11 @@ pub struct NodeStatus {
     pub run_id: String,
     /// It is leaving.
     pub leaving: bool,
-    /// What it consumes.
+    /// What it consumes (one page of it: see [`ControlRequest::offset`]).
     pub slots: Vec<SlotStatus>,
+    /// Where the next page of its slots starts, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub more_from: Option<u64>,
 }
 
 /// One input partition (or queue input) on a node.
@@ -404,5 +424,37 @@ mod tests {
         // A record from a node without incarnations reads as an earlier one.
         let old: LeaseRecord = serde_json::from_str(r#"{"node":"a","epoch":3}"#).expect("old record");
         assert!(old.left_by_earlier("a", "i2"));
+    }
+
+    #[test]
+    fn status_comes_in_pages_that_cover_every_slot_once() {
+        let slot = |p: u32| SlotStatus {
+            stream: "in".into(),
+            partition: Some(p),
+            epoch: 1,
+            in_flight: 0,
+            deliveries: 0,
+            redeliveries: 0,
+            paused: false,
+            state: "running".into(),
+        };
+        let all: Vec<SlotStatus> = (0..1234).map(slot).collect();
+        let mut seen = Vec::new();
+        let mut from = Some(0u64);
+        let mut pages = 0;
+        while let Some(f) = from {
+            let (page, next) = status_page(all.clone(), f as usize);
+            assert!(page.len() <= STATUS_PAGE);
+            seen.extend(page);
+            from = next;
+            pages += 1;
+        }
+        assert_eq!((pages, seen), (3, all.clone()));
+        assert_eq!(status_page(all.clone(), 5000), (Vec::new(), None), "an offset past the end");
+        assert_eq!(status_page(Vec::new(), 0), (Vec::new(), None));
+        // A page is small enough for NATS's default 1 MiB payload, with room to spare.
+        let (page, _) = status_page(all, 0);
+        let bytes = serde_json::to_vec(&page).expect("json").len();
+        assert!(bytes < 256 * 1024, "{bytes} bytes in one page");
     }
 }

@@ -215,7 +215,10 @@ pub struct Container {
     broker: SharedBroker,
     subjects: Subjects,
     config: ContainerConfig,
-    slots: Vec<Slot>,
+    /// Slots by id. Ids are never reused; in cluster mode a slot is removed once its
+    /// end is reported, so partitions moving back and forth leave nothing behind.
+    slots: std::collections::BTreeMap<usize, Slot>,
+    next_slot: usize,
     timers: Addr<TimerService>,
     reaper: Addr<Reaper>,
     requests: CoordinatorRequests<usize>,
@@ -255,12 +258,14 @@ impl Container {
         exit: oneshot::Sender<ContainerExit>,
     ) -> Self {
         let requests = CoordinatorRequests::new(0..slots.len());
-        let slots = slots.into_iter().map(Slot::new).collect();
+        let next_slot = slots.len();
+        let slots = slots.into_iter().map(Slot::new).enumerate().collect();
         Self {
             broker,
             subjects,
             config,
             slots,
+            next_slot,
             timers,
             reaper,
             requests,
@@ -287,12 +292,14 @@ impl Container {
     /// Tells the observer (cluster mode) that slot `i` ended, once no claim is out.
     fn report_ended(&mut self, i: usize, outcome: Outcome) {
         let Some(observer) = &self.observer else { return };
-        let Some(s) = self.slots.get_mut(i) else { return };
+        let Some(s) = self.slots.get_mut(&i) else { return };
         if s.claiming {
             s.ended = Some(outcome);
             return;
         }
         observer.do_send(SlotEnded { slot: i, stream: s.spec.stream.clone(), partition: s.spec.partition, outcome });
+        // Its end is reported and nothing of it is out: free it.
+        self.slots.remove(&i);
     }
 
     fn spawn_worker(&mut self, i: usize, ctx: &mut Context<Self>) {
@@ -301,13 +308,13 @@ impl Container {
             container: ctx.address().recipient(),
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
-            start: self.slots[i].spec.start,
+            start: None,
         };
-        let handle = (self.slots[i].spec.spawn)(sc);
-        if self.slots[i].paused {
+        let Some(slot) = self.slots.get_mut(&i) else { return };
+        let handle = (slot.spec.spawn)(SlotContext { start: slot.spec.start, ..sc });
+        if slot.paused {
             handle.control.do_send(WorkerControl::Pause);
         }
-        let slot = &mut self.slots[i];
         slot.worker = Some(handle);
         slot.outstanding = 0;
         slot.finished = false;
@@ -316,7 +323,8 @@ impl Container {
 
     /// Starts claims for every slot with room.
     fn pump(&mut self, ctx: &mut Context<Self>) {
-        for i in 0..self.slots.len() {
+        let ids: Vec<usize> = self.slots.keys().copied().collect();
+        for i in ids {
             self.pump_slot(i, ctx);
         }
     }
@@ -328,7 +336,7 @@ impl Container {
             return;
         }
         let now = tokio::time::Instant::now();
-        let Some(slot) = self.slots.get_mut(i) else { return };
+        let Some(slot) = self.slots.get_mut(&i) else { return };
         if slot.claiming
             || slot.finished
             || slot.stopping
@@ -368,7 +376,7 @@ impl Container {
     ) {
         let broker = self.broker.clone();
         let subjects = self.subjects.clone();
-        let slot = &mut self.slots[i];
+        let Some(slot) = self.slots.get_mut(&i) else { return };
         slot.claiming = false;
         slot.claim_task = None;
         if let Some(outcome) = slot.ended.take() {
@@ -376,7 +384,7 @@ impl Container {
             self.report_ended(i, outcome);
             return;
         }
-        let slot = &mut self.slots[i];
+        let Some(slot) = self.slots.get_mut(&i) else { return };
         match result {
             Ok(batch) => {
                 if slot.failures > 0 {
@@ -436,7 +444,7 @@ impl Container {
             return;
         }
         self.stopping = true;
-        for slot in &mut self.slots {
+        for slot in self.slots.values_mut() {
             if let (Some(w), false) = (&slot.worker, slot.finished) {
                 slot.stopping = true;
                 w.stop.do_send(StopWorker);
@@ -450,7 +458,7 @@ impl Container {
     }
 
     fn maybe_exit(&mut self, ctx: &mut Context<Self>) {
-        if self.slots.iter().all(|s| s.finished || s.worker.is_none()) {
+        if self.slots.values().all(|s| s.finished || s.worker.is_none()) {
             self.exit(ctx);
         }
     }
@@ -472,7 +480,7 @@ impl Container {
     /// worker starts until a reset succeeded: a consumer still holding the old worker's
     /// deliveries would let the new one's first ack-all cover them unprocessed.
     fn restart(&mut self, i: usize, ctx: &mut Context<Self>) {
-        let Some(s) = self.slots.get_mut(i) else { return };
+        let Some(s) = self.slots.get_mut(&i) else { return };
         if self.stopping || !s.restart_pending || s.resetting {
             return;
         }
@@ -501,7 +509,7 @@ impl Container {
         let js = s.spec.js_stream.clone();
         let fut = async move { flotilla_transport::topology::take_over_partition(&broker, &js, spec).await };
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            let Some(s) = act.slots.get_mut(i) else { return };
+            let Some(s) = act.slots.get_mut(&i) else { return };
             s.resetting = false;
             if !s.restart_pending {
                 // Released meanwhile: it ends now that no reset is out.
@@ -542,7 +550,7 @@ impl Container {
         let broker = self.broker.clone();
         let targets: Vec<(String, Option<u32>, String, String)> = self
             .slots
-            .iter()
+            .values()
             .filter(|s| !s.finished)
             .map(|s| (s.spec.stream.clone(), s.spec.partition, s.spec.js_stream.clone(), s.spec.consumer.clone()))
             .collect();
@@ -597,12 +605,13 @@ impl Actor for Container {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        for i in 0..self.slots.len() {
+        let ids: Vec<usize> = self.slots.keys().copied().collect();
+        for i in ids {
             self.spawn_worker(i, ctx);
         }
         let me = ctx.address().recipient::<Tick>();
         self.timers.do_send(Every { period: self.config.backlog_interval, target: me.clone(), tick: Tick::Backlog });
-        if self.slots.iter().any(|s| s.spec.sweep) {
+        if self.slots.values().any(|s| s.spec.sweep) {
             self.timers.do_send(Every { period: self.config.sweep_interval, target: me, tick: Tick::Sweep });
         }
         self.pump(ctx);
@@ -611,7 +620,7 @@ impl Actor for Container {
     fn stopped(&mut self, _: &mut Context<Self>) {
         // A claim that outlived the container would take messages nobody handles (they
         // would wait for ack-wait): end them with it.
-        for slot in &mut self.slots {
+        for slot in self.slots.values_mut() {
             if let Some(task) = slot.claim_task.take() {
                 task.abort();
             }
@@ -623,7 +632,7 @@ impl Handler<Claimed> for Container {
     type Result = ();
 
     fn handle(&mut self, Claimed { slot, result }: Claimed, ctx: &mut Context<Self>) {
-        if slot >= self.slots.len() {
+        if !self.slots.contains_key(&slot) {
             return;
         }
         self.claimed(slot, result, ctx);
@@ -642,7 +651,7 @@ impl Handler<WorkerReport> for Container {
         };
         match report {
             WorkerReport::Completed { slot, count } => {
-                if let Some(s) = self.slots.get_mut(slot) {
+                if let Some(s) = self.slots.get_mut(&slot) {
                     s.outstanding = s.outstanding.saturating_sub(count);
                     s.restarts = 0;
                 }
@@ -654,7 +663,7 @@ impl Handler<WorkerReport> for Container {
                     info!(?scope, "tasks asked to shut down the container");
                     self.stop_all(ctx);
                 } else if scope == ShutdownScope::CurrentTask
-                    && let Some(s) = self.slots.get_mut(slot)
+                    && let Some(s) = self.slots.get_mut(&slot)
                     && let Some(w) = s.worker.as_ref()
                 {
                     s.stopping = true;
@@ -663,7 +672,7 @@ impl Handler<WorkerReport> for Container {
             }
             WorkerReport::Finished { slot, outcome } => {
                 let outcome_copy = outcome.clone();
-                let Some(s) = self.slots.get_mut(slot) else { return };
+                let Some(s) = self.slots.get_mut(&slot) else { return };
                 s.finished = true;
                 s.outstanding = 0;
                 match outcome {
@@ -707,7 +716,7 @@ impl Handler<WorkerReport> for Container {
                     }
                     _ => {}
                 }
-                let restarting = self.slots.get(slot).is_some_and(|s| s.worker.is_none()) && !self.stopping;
+                let restarting = self.slots.get(&slot).is_some_and(|s| s.worker.is_none()) && !self.stopping;
                 if !restarting {
                     self.report_ended(slot, outcome_copy);
                 }
@@ -727,12 +736,14 @@ impl Handler<AddSlot> for Container {
         let factory = self.partitions.as_ref()?;
         let mut spec = factory(&add.stream, add.partition, add.epoch, add.fence, add.paused)?;
         spec.start = add.start;
-        let i = self.slots.len();
+        let i = self.next_slot;
+        self.next_slot += 1;
         info!(stream = %spec.stream, partition = ?spec.partition, epoch = spec.epoch, "consuming a partition");
-        self.slots.push(Slot::new(spec));
+        let mut slot = Slot::new(spec);
+        slot.finished = self.stopping;
+        self.slots.insert(i, slot);
         if self.stopping {
             // Too late to start: report it ended, so its lease is released.
-            self.slots[i].finished = true;
             self.report_ended(i, Outcome::Stopped);
             return Some(i);
         }
@@ -746,7 +757,7 @@ impl Handler<ReleaseSlot> for Container {
     type Result = ();
 
     fn handle(&mut self, ReleaseSlot(i): ReleaseSlot, _: &mut Context<Self>) {
-        let Some(s) = self.slots.get_mut(i) else { return };
+        let Some(s) = self.slots.get_mut(&i) else { return };
         if s.restart_pending {
             // The failed task waits for a restart: nothing runs, so it ends now and the
             // restart is cancelled (the lease goes to whoever takes it next).
@@ -774,7 +785,7 @@ impl Handler<SetPaused> for Container {
     type Result = ();
 
     fn handle(&mut self, msg: SetPaused, ctx: &mut Context<Self>) {
-        if let Some(s) = self.slots.get_mut(msg.slot)
+        if let Some(s) = self.slots.get_mut(&msg.slot)
             && s.paused != msg.paused
         {
             s.paused = msg.paused;
@@ -791,7 +802,7 @@ impl Handler<StepSlot> for Container {
     type Result = ();
 
     fn handle(&mut self, StepSlot(i): StepSlot, ctx: &mut Context<Self>) {
-        if let Some(s) = self.slots.get_mut(i)
+        if let Some(s) = self.slots.get_mut(&i)
             && s.paused
         {
             s.step_credits += 1;
@@ -809,7 +820,7 @@ impl Handler<Snapshot> for Container {
     fn handle(&mut self, _: Snapshot, _: &mut Context<Self>) -> Self::Result {
         MessageResult(
             self.slots
-                .iter()
+                .values()
                 .filter(|s| !s.finished)
                 .map(|s| crate::cluster::SlotStatus {
                     stream: s.spec.stream.clone(),
@@ -844,7 +855,7 @@ impl Handler<Tick> for Container {
             Tick::Restart(slot) => self.restart(slot, ctx),
             Tick::Backlog => self.check_backlog(ctx),
             Tick::Sweep => {
-                for s in self.slots.iter().filter(|s| s.spec.sweep && !s.finished) {
+                for s in self.slots.values().filter(|s| s.spec.sweep && !s.finished) {
                     let sweep = Sweep {
                         stream: s.spec.stream.clone(),
                         js_stream: s.spec.js_stream.clone(),
@@ -864,6 +875,21 @@ impl Handler<Tick> for Container {
     }
 }
 
+/// How many slots the container holds (tests).
+#[cfg(test)]
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+struct SlotCount;
+
+#[cfg(test)]
+impl Handler<SlotCount> for Container {
+    type Result = usize;
+
+    fn handle(&mut self, _: SlotCount, _: &mut Context<Self>) -> usize {
+        self.slots.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -878,5 +904,99 @@ mod tests {
         assert_eq!(claim_wait_after(7, base, base), base);
         // An idle wait below the claim wait never shortens it.
         assert_eq!(claim_wait_after(3, base, Duration::from_millis(10)), base);
+    }
+
+    /// A worker that takes nothing and stops when told.
+    struct Idle {
+        slot: usize,
+        container: Recipient<WorkerReport>,
+    }
+    impl Actor for Idle {
+        type Context = Context<Self>;
+    }
+    impl Handler<Deliver> for Idle {
+        type Result = ();
+        fn handle(&mut self, _: Deliver, _: &mut Context<Self>) {}
+    }
+    impl Handler<WorkerControl> for Idle {
+        type Result = ();
+        fn handle(&mut self, _: WorkerControl, _: &mut Context<Self>) {}
+    }
+    impl Handler<StopWorker> for Idle {
+        type Result = ();
+        fn handle(&mut self, _: StopWorker, ctx: &mut Context<Self>) {
+            self.container.do_send(WorkerReport::Finished { slot: self.slot, outcome: Outcome::Stopped });
+            ctx.stop();
+        }
+    }
+
+    struct Ends(std::sync::Arc<std::sync::Mutex<Vec<usize>>>);
+    impl Actor for Ends {
+        type Context = Context<Self>;
+    }
+    impl Handler<SlotEnded> for Ends {
+        type Result = ();
+        fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
+            self.0.lock().expect("lock").push(ended.slot);
+        }
+    }
+
+    /// Cluster mode: a partition that comes and goes a hundred times leaves no slot
+    /// behind, and no slot id is used twice.
+    #[actix_rt::test]
+    async fn slots_of_released_partitions_are_freed() {
+        let broker = flotilla_transport::EmbeddedBroker::new().shared();
+        let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
+        let timers = TimerService::default().start();
+        let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+        let factory: PartitionFactory = std::rc::Rc::new(|stream: &str, p, epoch, fence, paused| {
+            Some(SlotSpec {
+                stream: stream.to_owned(),
+                partition: Some(p),
+                js_stream: "FLOTILLA_j_in".into(),
+                consumer: format!("in-p{p}"),
+                capacity: 1,
+                policy: FailurePolicy::FailContainer,
+                sweep: false,
+                takeover: None,
+                start: None,
+                epoch,
+                fence: Some(fence),
+                paused,
+                spawn: Box::new(|sc: SlotContext| {
+                    let idle = Idle { slot: sc.slot, container: sc.container }.start();
+                    WorkerHandle {
+                        deliver: idle.clone().recipient(),
+                        stop: idle.clone().recipient(),
+                        control: idle.recipient(),
+                    }
+                }),
+            })
+        });
+        let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let observer = Ends(ended.clone()).start();
+        let (tx, _rx) = oneshot::channel();
+        let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
+            .observed_by(observer.recipient(), factory)
+            .start();
+        let mut ids = Vec::new();
+        for _ in 0..100 {
+            let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
+            let add = AddSlot { stream: "in".into(), partition: 3, epoch: 1, fence, paused: false, start: None };
+            let id = container.send(add).await.expect("container").expect("a slot");
+            ids.push(id);
+            container.send(ReleaseSlot(id)).await.expect("container");
+            for _ in 0..200 {
+                if ended.lock().expect("lock").contains(&id) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            assert!(ended.lock().expect("lock").contains(&id), "slot {id} never ended");
+        }
+        let held = container.send(SlotCount).await.expect("container");
+        assert_eq!(held, 0, "slots left behind");
+        ids.dedup();
+        assert_eq!(ids.len(), 100, "slot ids are not reused");
     }
 }

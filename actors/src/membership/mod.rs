@@ -742,15 +742,11 @@ impl Membership {
             let reply_to = msg.reply;
             let base = self.answer(&id, true, "status");
             let (node, run_id, leaving) = (self.s.node.clone(), self.s.run_id.clone(), self.leaving.is_some());
+            let from = usize::try_from(request.offset.unwrap_or(0)).unwrap_or(usize::MAX);
             ctx.spawn(snapshot.into_actor(self).map(move |slots, act, _| {
                 let mut reply = base;
-                reply.status = Some(NodeStatus {
-                    node,
-                    pid: std::process::id(),
-                    run_id,
-                    leaving,
-                    slots: slots.unwrap_or_default(),
-                });
+                let (slots, more_from) = cluster::status_page(slots.unwrap_or_default(), from);
+                reply.status = Some(NodeStatus { node, pid: std::process::id(), run_id, leaving, slots, more_from });
                 act.reply(reply_to, reply);
             }));
             return;
