@@ -42,6 +42,13 @@ pub struct TaskConfig {
     /// `crash-loop` instead of ending the next one. Counted across nodes in the job's
     /// KV bucket `SUSPECTS`.
     pub crash_limit: u32,
+    /// How often one attempt of a message is retried without counting while something
+    /// is unavailable (its handler returned `TaskError::Unavailable`, or the broker
+    /// could not store its outputs), with backoff from 200 ms doubling to 30 s and
+    /// jitter: the default 50 is about 22 minutes. An attempt still unavailable after
+    /// that counts as failed (so a dependency that never returns ends in the DLQ after
+    /// `max_attempts` such attempts).
+    pub unavailable_retries: u32,
 }
 
 impl Default for TaskConfig {
@@ -58,6 +65,7 @@ impl Default for TaskConfig {
             window: 256,
             failure_policy: FailurePolicy::default(),
             crash_limit: 3,
+            unavailable_retries: 50,
         }
     }
 }

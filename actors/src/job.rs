@@ -234,6 +234,15 @@ impl Job {
         self
     }
 
+    /// How often one attempt is retried without counting while something is
+    /// unavailable (default 50, about 22 minutes of backoff); past it, the attempt fails.
+    pub fn unavailable_retries(mut self, n: u32) -> Self {
+        if let Some(c) = self.last("unavailable_retries") {
+            c.unavailable_retries = n;
+        }
+        self
+    }
+
     /// How long a graceful stop waits for in-flight work.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         if let Some(c) = self.last("drain_timeout") {

@@ -42,7 +42,9 @@ use crate::stream::{StreamDef, StreamKind};
 use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::topology;
-use flotilla_transport::wire::{Codec, HeaderText, Headers, MessageId, StreamName, Subjects, headers, partition_for};
+use flotilla_transport::wire::{
+    Codec, CodecError, HeaderText, Headers, MessageId, StreamName, Subjects, headers, partition_for,
+};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
 use serde::{Serialize, de::DeserializeOwned};
@@ -64,8 +66,18 @@ pub enum TaskError {
     /// The task cannot go on: fail the container or restart the task, by policy.
     Fatal(String),
     /// Something the message needs is unreachable right now (the broker, a database):
-    /// retry after a back-off without counting an attempt.
+    /// retry after a back-off without counting an attempt (up to
+    /// [`TaskConfig::unavailable_retries`](crate::TaskConfig::unavailable_retries)).
     Unavailable(String),
+    /// This message can never succeed, however often it is tried (for example an
+    /// output over the broker's size limit): dead-letter it at once, with `reason` as
+    /// its dead-letter reason.
+    Permanent {
+        /// The dead-letter reason code (`too-large`, `rejected`, …).
+        reason: &'static str,
+        /// What is wrong, for a human.
+        detail: String,
+    },
 }
 
 impl TaskError {
@@ -84,10 +96,16 @@ impl TaskError {
         TaskError::Unavailable(reason.into())
     }
 
+    /// This message can never succeed: dead-lettered at once as `rejected`.
+    pub fn rejected(detail: impl Into<String>) -> Self {
+        TaskError::Permanent { reason: "rejected", detail: detail.into() }
+    }
+
     /// The reason text.
     pub fn reason(&self) -> &str {
         match self {
             TaskError::Failed(r) | TaskError::Fatal(r) | TaskError::Unavailable(r) => r,
+            TaskError::Permanent { detail, .. } => detail,
         }
     }
 }
@@ -98,6 +116,7 @@ impl std::fmt::Display for TaskError {
             TaskError::Failed(r) => write!(f, "failed: {r}"),
             TaskError::Fatal(r) => write!(f, "fatal: {r}"),
             TaskError::Unavailable(r) => write!(f, "unavailable: {r}"),
+            TaskError::Permanent { reason, detail } => write!(f, "{reason}: {detail}"),
         }
     }
 }
@@ -356,7 +375,11 @@ impl Outputs {
             )));
         }
         let subject = self.env.output_subject(stream, key).await?;
-        let payload = self.env.codec.encode(value).map_err(|e| TaskError::failed(e.to_string()))?;
+        let payload = self.env.codec.encode(value).map_err(|e| match e {
+            // The same value will never fit: no point in retrying.
+            CodecError::TooLarge { .. } => TaskError::Permanent { reason: "too-large", detail: e.to_string() },
+            e => TaskError::failed(e.to_string()),
+        })?;
         let shared = self.shared();
         let index = shared.next_index.get();
         shared.next_index.set(index + 1);

@@ -63,6 +63,18 @@ impl<const QUEUE: bool> Task for Relay<QUEUE> {
             let ms: u64 = ms.parse().map_err(|_| TaskError::failed("bad sleep"))?;
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
+        if r.body == "unavailable" {
+            return Err(TaskError::unavailable("the database is down"));
+        }
+        if let Some(n) = r.body.strip_prefix("big:") {
+            let n: usize = n.parse().map_err(|_| TaskError::failed("bad size"))?;
+            let big = Record { id: r.id, body: "x".repeat(n) };
+            return if QUEUE {
+                ctx.send(&DONE, &r.id.to_string(), &big).await
+            } else {
+                ctx.send(&OUT, &r.id.to_string(), &big).await
+            };
+        }
         let key = if r.body == "badkey" { format!("{}\nInjected: yes", r.id) } else { r.id.to_string() };
         if QUEUE { ctx.send(&DONE, &key, &r).await } else { ctx.send(&OUT, &key, &r).await }
     }
@@ -1114,6 +1126,53 @@ async fn a_message_that_hangs_its_task_every_time_is_dead_lettered_as_a_crash_lo
     tokio::time::sleep(Duration::from_secs(5)).await;
     let bucket = "FLOTILLA_t_SUSPECTS";
     assert_eq!(b.kv_get(bucket, &format!("in.{p}")).await.expect("read"), None, "suspect record left behind");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
+
+/// Errors are classified once (docs/errors.md): an output that can never be stored
+/// (over the codec's limit, or over the broker's max_payload once its headers are
+/// counted) dead-letters its message at once as `too-large`, without retries; being
+/// unavailable costs no attempt up to `unavailable_retries`, then each time does.
+#[actix_rt::test]
+async fn outputs_too_large_dead_letter_at_once_and_unavailable_retries_have_a_ceiling() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t")
+        .task(JOBS, |_| Relay::<true>)
+        .max_attempts(2)
+        .unavailable_retries(3)
+        .start(b.clone())
+        .await
+        .expect("start");
+    let mib = flotilla_transport::wire::codec::DEFAULT_MAX_PAYLOAD;
+    // Over the codec's limit by itself.
+    publish(&b, "jobs", false, 1, &format!("big:{}", 2 * mib)).await;
+    // Under the codec's limit, over the broker's once the output's headers count.
+    publish(&b, "jobs", false, 2, &format!("big:{}", mib - 32)).await;
+    publish(&b, "jobs", false, 3, "unavailable").await;
+    publish(&b, "jobs", false, 4, "ok").await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 3).await;
+    let mut dead: Vec<(u64, String, String)> = read_all(&b, "FLOTILLA_t_DLQ", None)
+        .await
+        .into_iter()
+        .map(|(_, r, h)| {
+            (
+                r.id,
+                h.get(headers::DLQ_REASON).unwrap_or("").to_owned(),
+                h.get(headers::DLQ_DETAIL).unwrap_or("").to_owned(),
+            )
+        })
+        .collect();
+    dead.sort();
+    let reasons: Vec<(u64, &str)> = dead.iter().map(|(id, r, _)| (*id, r.as_str())).collect();
+    assert_eq!(reasons, vec![(1, "too-large"), (2, "too-large"), (3, "max-attempts")], "{dead:?}");
+    assert!(dead[1].2.contains("payload and headers"), "{:?}", dead[1]);
+    assert!(dead[2].2.contains("still unavailable after 3 retries"), "{:?}", dead[2]);
+    assert_eq!((calls(1), calls(2)), (1, 1), "too-large is not retried");
+    // Each of the 2 attempts: a run and 3 free retries, then it counts as failed.
+    assert_eq!(calls(3), 8);
+    wait_for(&b, "FLOTILLA_t_done", 1).await;
     job.stop();
     job.wait().await.expect("clean stop");
 }

@@ -41,7 +41,7 @@ use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
-use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery};
+use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
@@ -164,9 +164,12 @@ impl HookKind {
     }
 }
 
-/// Back-off while something is unreachable: 200 ms doubling to 30 s.
+/// Back-off while something is unreachable: 200 ms doubling to 30 s, then ±50 %
+/// jitter, so that many workers retrying after one outage do not come back at once.
 fn unavailable_backoff(n: u32) -> Duration {
-    Duration::from_millis(200).saturating_mul(1 << n.saturating_sub(1).min(8)).min(Duration::from_secs(30))
+    use rand::Rng;
+    let base = Duration::from_millis(200).saturating_mul(1 << n.saturating_sub(1).min(8)).min(Duration::from_secs(30));
+    base.mul_f64(rand::rng().random_range(0.5..1.5))
 }
 
 /// A claimed message's acknowledgement handle, kept until it is committed.
@@ -614,6 +617,7 @@ impl<T: Task> TaskWorker<T> {
             Ok(Err(TaskError::Failed(reason))) => self.failed_attempt(order, reason, ctx),
             Ok(Err(TaskError::Fatal(reason))) => self.fail(format!("process: {reason}"), ctx),
             Ok(Err(TaskError::Unavailable(reason))) => self.retry_unavailable(order, reason, ctx),
+            Ok(Err(TaskError::Permanent { reason, detail })) => self.dead_letter(order, reason, detail, ctx),
             Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
         }
     }
@@ -624,12 +628,19 @@ impl<T: Task> TaskWorker<T> {
         let Some(envelope) = self.inflight.get_mut(&order) else { return };
         envelope.unavailable += 1;
         envelope.started = None;
-        let delay = unavailable_backoff(envelope.unavailable);
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
         if !envelope.counted {
             envelope.counted = true;
             self.state.restart(order, Instant::now());
         }
+        let n = envelope.unavailable;
+        if n > self.config.unavailable_retries {
+            // The ceiling: from here on, being unavailable costs attempts.
+            let limit = self.config.unavailable_retries;
+            self.failed_attempt(order, format!("{reason} (still unavailable after {limit} retries)"), ctx);
+            return;
+        }
+        let delay = unavailable_backoff(n);
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
         self.state.attempt_paused(order);
         self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
     }
@@ -657,6 +668,7 @@ impl<T: Task> TaskWorker<T> {
                         Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
                         Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
                         Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
+                        Ok(Err(TaskError::Permanent { reason, detail })) => act.dead_letter(order, reason, detail, ctx),
                         Err(panic) => {
                             act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx)
                         }
@@ -735,7 +747,8 @@ impl<T: Task> TaskWorker<T> {
     /// ids, so what was stored is deduplicated) again after a back-off, without counting
     /// an attempt. Refused: a failed attempt of the message (or a failure of the hook).
     fn flush_failed(&mut self, mut flush: Flush, err: flotilla_transport::BrokerError, ctx: &mut Context<Self>) {
-        if err.is_transient() {
+        let class = err.class();
+        if class == ErrorClass::Transient && flush.attempt < self.config.unavailable_retries {
             flush.attempt += 1;
             let delay = unavailable_backoff(flush.attempt);
             warn!(stream = self.binding.stream, partition = ?self.binding.partition, error = %err, ?delay, "outputs not stored; publishing them again");
@@ -746,6 +759,12 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         match flush.target {
+            FlushTarget::Message(order) if matches!(class, ErrorClass::Permanent(_)) => {
+                // Publishing the same outputs again can never work.
+                let ErrorClass::Permanent(reason) = class else { return };
+                warn!(stream = self.binding.stream, partition = ?self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
+                self.dead_letter(order, reason, format!("output not stored: {err}"), ctx);
+            }
             FlushTarget::Message(order) => {
                 if let Some(e) = self.inflight.get_mut(&order)
                     && !e.counted

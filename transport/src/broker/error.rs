@@ -121,8 +121,8 @@ pub enum BrokerError {
         /// The server's version.
         server: String,
     },
-    /// The payload is over the server's `max_payload`.
-    #[error("message of {size} bytes exceeds the server's max_payload of {limit} bytes")]
+    /// The message (payload and headers) is over the server's `max_payload`.
+    #[error("message of {size} bytes (payload and headers) exceeds the server's max_payload of {limit} bytes")]
     PayloadTooLarge {
         /// The message size.
         size: usize,
@@ -147,6 +147,15 @@ pub enum BrokerError {
     /// A payload could not be encoded or decoded.
     #[error(transparent)]
     Codec(#[from] CodecError),
+    /// The server answered that it cannot take the request now (status 503: JetStream
+    /// unavailable, a stream without a leader, insufficient resources, a store error).
+    #[error("{operation}: the server is unavailable for it now: {reason}")]
+    ServerUnavailable {
+        /// What was attempted.
+        operation: String,
+        /// What the server said.
+        reason: String,
+    },
     /// Any other error the server or client reported.
     #[error("{operation} failed: {reason}")]
     Other {
@@ -157,17 +166,74 @@ pub enum BrokerError {
     },
 }
 
+/// What an error means for the work it happened to, decided once, here (the table in
+/// `docs/errors.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The broker is unreachable, slow or busy: try the same again later, with
+    /// jittered backoff. It spends no attempt of the message (up to a ceiling).
+    Transient,
+    /// The same request can never succeed (a message over the server's `max_payload`):
+    /// the message goes to the dead-letter stream at once, with this reason.
+    Permanent(&'static str),
+    /// The broker refused this request: a failed attempt, retried by the retry policy
+    /// and dead-lettered after the last.
+    Refused,
+}
+
 impl BrokerError {
-    /// Whether retrying later may succeed (the broker is unreachable or slow), as opposed
-    /// to a refusal that will repeat.
+    /// What this error means: see [`ErrorClass`].
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            BrokerError::Disconnected { .. }
+            | BrokerError::TimedOut { .. }
+            | BrokerError::Unreachable { .. }
+            | BrokerError::ServerUnavailable { .. }
+            // A 503 "no responders" to a publish: no stream listens on the subject, or
+            // JetStream is restarting or electing a leader; the two look the same.
+            | BrokerError::NoStream { .. }
+            | BrokerError::NoResponders { .. } => ErrorClass::Transient,
+            BrokerError::PayloadTooLarge { .. } | BrokerError::Codec(CodecError::TooLarge { .. }) => {
+                ErrorClass::Permanent("too-large")
+            }
+            _ => ErrorClass::Refused,
+        }
+    }
+
+    /// Whether retrying later may succeed (the broker is unreachable, slow or busy), as
+    /// opposed to a refusal that will repeat.
     pub fn is_transient(&self) -> bool {
-        matches!(
-            self,
-            BrokerError::Disconnected { .. } | BrokerError::TimedOut { .. } | BrokerError::Unreachable { .. }
-        )
+        self.class() == ErrorClass::Transient
     }
 
     pub(crate) fn other(operation: impl Into<String>, reason: impl std::fmt::Display) -> Self {
         BrokerError::Other { operation: operation.into(), reason: reason.to_string() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_has_one_class() {
+        let transient = [
+            BrokerError::Disconnected { operation: "claim".into(), reason: "cut".into() },
+            BrokerError::TimedOut { operation: "publish".into(), after: std::time::Duration::from_secs(5) },
+            BrokerError::ServerUnavailable { operation: "publish".into(), reason: "no leader".into() },
+            BrokerError::NoStream { subject: "a.b".into() },
+            BrokerError::NoResponders { subject: "a.b".into() },
+        ];
+        for e in &transient {
+            assert_eq!(e.class(), ErrorClass::Transient, "{e}");
+            assert!(e.is_transient());
+        }
+        let too_large = BrokerError::PayloadTooLarge { size: 2, limit: 1 };
+        assert_eq!(too_large.class(), ErrorClass::Permanent("too-large"));
+        let codec = BrokerError::Codec(CodecError::TooLarge { size: 2, limit: 1 });
+        assert_eq!(codec.class(), ErrorClass::Permanent("too-large"));
+        let refused = BrokerError::WrongLastSequence { subject: "a".into(), expected: 1, actual: 2 };
+        assert_eq!(refused.class(), ErrorClass::Refused);
+        assert!(!refused.is_transient());
     }
 }

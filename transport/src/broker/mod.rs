@@ -28,7 +28,7 @@ pub(crate) mod compare;
 mod error;
 mod types;
 
-pub use error::BrokerError;
+pub use error::{BrokerError, ErrorClass};
 pub use types::*;
 
 use bytes::Bytes;

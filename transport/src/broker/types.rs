@@ -336,6 +336,20 @@ pub struct OutboundMessage {
 }
 
 impl OutboundMessage {
+    /// The bytes the server counts against its `max_payload`: the payload and the
+    /// header block (`NATS/1.0`, a line per header, a blank line) together.
+    pub fn wire_size(&self) -> usize {
+        let headers = if self.headers.is_empty() && self.expected_last_subject_seq.is_none() {
+            0
+        } else {
+            let entries: usize = self.headers.iter().map(|(name, value)| name.len() + value.len() + 4).sum();
+            // `Nats-Expected-Last-Subject-Sequence: <n>` when set.
+            let expected = self.expected_last_subject_seq.map_or(0, |n| 36 + 4 + n.to_string().len());
+            "NATS/1.0\r\n".len() + entries + expected + 2
+        };
+        self.payload.len() + headers
+    }
+
     /// A message with the given subject and payload and no headers.
     pub fn new(subject: impl Into<String>, payload: impl Into<Bytes>) -> Self {
         Self {
@@ -524,6 +538,15 @@ impl CoreMessage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wire_size_counts_the_header_block() {
+        let bare = OutboundMessage::new("s", vec![0u8; 100]);
+        assert_eq!(bare.wire_size(), 100);
+        let with = bare.clone().with_header("Nats-Msg-Id", "abc");
+        // "NATS/1.0\r\n" + "Nats-Msg-Id: abc\r\n" + "\r\n"
+        assert_eq!(with.wire_size(), 100 + 10 + (11 + 2 + 3 + 2) + 2);
+    }
 
     #[test]
     fn versions_parse_and_gate() {

@@ -131,7 +131,7 @@ impl Inner {
 
     fn publish_now(&self, msg: OutboundMessage) -> BrokerResult<PublishAck> {
         self.check("publish")?;
-        let size = msg.payload.len();
+        let size = msg.wire_size();
         if size > self.max_payload {
             return Err(BrokerError::PayloadTooLarge { size, limit: self.max_payload });
         }

@@ -366,8 +366,9 @@ fn stream_state(info: &stream::Info) -> StreamState {
 
 /// Refuses a payload the server would not take (its `max_payload`), before it is sent.
 fn publish_payload_check(msg: &OutboundMessage, limit: usize) -> BrokerResult<()> {
-    if msg.payload.len() > limit {
-        return Err(BrokerError::PayloadTooLarge { size: msg.payload.len(), limit });
+    let size = msg.wire_size();
+    if size > limit {
+        return Err(BrokerError::PayloadTooLarge { size, limit });
     }
     Ok(())
 }

@@ -196,6 +196,12 @@ fn publish_result<'a>(out: &OutboundMessage, msg: &'a async_nats::Message) -> Br
             expected: out.expected_last_subject_seq.unwrap_or(0),
             actual: 0,
         }),
+        // 503: JetStream cannot take it now (no leader, insufficient resources, a
+        // store error); the same publish may succeed later.
+        Some(e) if e.code == 503 => Err(BrokerError::ServerUnavailable {
+            operation: format!("publish to {}", out.subject),
+            reason: format!("{} (error code {})", e.description, e.err_code),
+        }),
         Some(e) => Err(BrokerError::other(
             format!("publish to {}", out.subject),
             format!("{} (status {}, error code {})", e.description, e.code, e.err_code),
