@@ -62,6 +62,67 @@ impl DeliverySequence {
     }
 }
 
+/// Ordered inputs: which of its partition's deliveries a worker takes, and how far it
+/// has committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Intake {
+    sequence: DeliverySequence,
+    /// The highest stream sequence delivered to this worker. A partition delivers first
+    /// deliveries in ascending order, so anything at or below it (or at or below the
+    /// committed position) is a redelivery of a message this worker holds or committed.
+    max_seen: u64,
+    /// The highest stream sequence acknowledged by an ack-all.
+    committed: u64,
+}
+
+/// What to do with one delivery of an ordered partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// A first delivery, in sequence: take it.
+    Take,
+    /// A redelivery of a message this worker holds or committed: drop it.
+    Redelivered,
+    /// A delivery went missing before this one: take nothing more, commit what came
+    /// before, and have the partition reset ([`Arrival::Gap`]).
+    Lost {
+        /// The consumer sequence that should have come.
+        expected: u64,
+        /// The one that came.
+        got: u64,
+    },
+}
+
+impl Intake {
+    /// A worker whose partition consumer's last delivery before it was
+    /// `delivered_consumer_seq` (see [`DeliverySequence::after`]).
+    pub(crate) fn after(delivered_consumer_seq: Option<u64>) -> Self {
+        Self { sequence: DeliverySequence::after(delivered_consumer_seq), max_seen: 0, committed: 0 }
+    }
+
+    /// A delivery of the message at `stream_seq`, numbered `consumer_seq` by the consumer.
+    pub(crate) fn admit(&mut self, stream_seq: u64, consumer_seq: u64) -> Admission {
+        // Every delivery takes a number, redeliveries too: check the number first.
+        if let Arrival::Gap { expected, got } = self.sequence.arrive(consumer_seq) {
+            return Admission::Lost { expected, got };
+        }
+        if stream_seq <= self.committed.max(self.max_seen) {
+            return Admission::Redelivered;
+        }
+        self.max_seen = stream_seq;
+        Admission::Take
+    }
+
+    /// An ack-all of `stream_seq` was sent.
+    pub(crate) fn committed_to(&mut self, stream_seq: u64) {
+        self.committed = self.committed.max(stream_seq);
+    }
+
+    /// The highest stream sequence committed.
+    pub(crate) fn committed(&self) -> u64 {
+        self.committed
+    }
+}
+
 /// A partition's suspects as the job's KV keeps them (bucket `SUSPECTS`, key
 /// `<stream>.<partition>`): messages an owner started and was not seen to finish, with
 /// how often. A message that ends its owner (the process dies, the callback hangs past
@@ -203,5 +264,23 @@ mod tests {
         let s = Suspects::new(50, 3);
         assert!(s.covers(50) && !s.covers(51));
         assert_eq!(Suspects::new(5, 0).limit, 1, "a limit of 0 would quarantine without a crash");
+    }
+
+    #[test]
+    fn a_partition_takes_first_deliveries_drops_redeliveries_and_stops_at_a_loss() {
+        let mut intake = Intake::after(Some(0));
+        assert_eq!(intake.admit(10, 1), Admission::Take);
+        assert_eq!(intake.admit(12, 2), Admission::Take);
+        // Held past ack-wait, delivered again (a new number, an old message).
+        assert_eq!(intake.admit(10, 3), Admission::Redelivered);
+        intake.committed_to(12);
+        assert_eq!(intake.committed(), 12);
+        assert_eq!(intake.admit(12, 4), Admission::Redelivered, "committed");
+        assert_eq!(intake.admit(15, 5), Admission::Take);
+        // Deliveries 6 and 7 never arrived.
+        assert_eq!(intake.admit(20, 8), Admission::Lost { expected: 6, got: 8 });
+        assert_eq!(intake.admit(21, 9), Admission::Lost { expected: 6, got: 9 }, "and nothing after");
+        intake.committed_to(11);
+        assert_eq!(intake.committed(), 12, "the committed position never goes back");
     }
 }

@@ -31,7 +31,7 @@ mod messages;
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
 pub use self::core::SuspectRecord;
-use self::core::{Arrival, DeliverySequence, SuspectVerdict, Suspects};
+use self::core::{Admission, Intake, SuspectVerdict, Suspects};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::reaper::{DeadLetter, Reaper};
@@ -210,15 +210,10 @@ pub struct TaskWorker<T: Task> {
     /// Claimed messages by order, until committed: every message of an ordered input,
     /// only the markers of a queue input (its data messages are acked one by one).
     claimed: BTreeMap<u64, Claimed>,
-    /// Ordered inputs: the highest stream sequence delivered to this worker. A partition
-    /// delivers first deliveries in ascending order, so anything at or below it is a
-    /// redelivery of a message this worker holds (or committed) and is dropped.
-    max_seen_seq: u64,
-    committed_seq: u64,
+    /// Ordered inputs: which deliveries are taken, and the committed position.
+    intake: Intake,
     /// Ordered inputs: the delivery whose ack-all made the last commit.
     last_commit: Option<AckToken>,
-    /// Ordered inputs: the consumer's delivery numbering, to notice a lost delivery.
-    sequence: DeliverySequence,
     /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
     resync: Option<String>,
     /// Ordered inputs after a take-over that found unfinished work: the suspects.
@@ -262,7 +257,7 @@ impl<T: Task> TaskWorker<T> {
         reaper: Addr<Reaper>,
     ) -> Self {
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
-        let sequence = DeliverySequence::after(binding.start.map(|s| s.delivered_consumer_seq));
+        let intake = Intake::after(binding.start.map(|s| s.delivered_consumer_seq));
         let suspects =
             binding.start.and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
         Self {
@@ -276,10 +271,8 @@ impl<T: Task> TaskWorker<T> {
             reaper,
             inflight: FxHashMap::default(),
             claimed: BTreeMap::new(),
-            max_seen_seq: 0,
-            committed_seq: 0,
+            intake,
             last_commit: None,
-            sequence,
             resync: None,
             suspects,
             lane: None,
@@ -370,6 +363,12 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         while !self.finished && self.task.is_some() && self.state.failure().is_none() {
+            // Per message, not once per turn: a turn can start many, and the lease's
+            // validity is a deadline.
+            if self.binding.fenced() {
+                self.abort_fenced(ctx);
+                return;
+            }
             if let Some(order) = self.retries.pop_front() {
                 self.start_attempt(order, ctx);
                 continue;
@@ -420,7 +419,7 @@ impl<T: Task> TaskWorker<T> {
         let Some(suspects) = self.suspects else { return };
         let lane = self.env.suspect_lane.clone();
         let change = self.change_suspects();
-        let committed = self.committed_seq;
+        let committed = self.intake.committed();
         let fut = async move {
             let permit = lane.acquire_owned().await.ok();
             let verdict = change(Box::new(move |record| match suspects.judge(record, seq, committed) {
@@ -463,7 +462,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let permit = self.lane.take();
-        let committed = self.committed_seq;
+        let committed = self.intake.committed();
         let stored =
             self.change_suspects()(Box::new(move |record| (Some(suspects.finish(record, seq, committed)), ())));
         actix::spawn(async move {
@@ -993,7 +992,7 @@ impl<T: Task> TaskWorker<T> {
             if self.binding.ordered() {
                 if let Some((_, last)) = done.iter().next_back() {
                     self.ack(&last.token, AckKind::Ack);
-                    self.committed_seq = self.committed_seq.max(last.seq);
+                    self.intake.committed_to(last.seq);
                     self.last_commit = Some(last.token.clone());
                 }
             } else {
@@ -1222,25 +1221,26 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 continue;
             }
             if self.binding.ordered() {
-                if let Arrival::Gap { expected, got } = self.sequence.arrive(d.info.consumer_seq) {
-                    // Nothing from here on is taken: an ack-all over it could cover
-                    // the lost delivery. What came before is complete and is committed.
-                    self.resync(
-                        format!(
-                            "delivery {got} of the partition's consumer arrived where {expected} was due (stream sequence {}): a delivery was lost in transit",
-                            d.info.stream_seq
-                        ),
-                        ctx,
-                    );
-                    dropped += 1;
-                    continue;
+                match self.intake.admit(d.info.stream_seq, d.info.consumer_seq) {
+                    Admission::Take => {}
+                    Admission::Redelivered => {
+                        dropped += 1;
+                        continue;
+                    }
+                    Admission::Lost { expected, got } => {
+                        // Nothing from here on is taken: an ack-all over it could cover
+                        // the lost delivery. What came before is complete and is committed.
+                        self.resync(
+                            format!(
+                                "delivery {got} of the partition's consumer arrived where {expected} was due (stream sequence {}): a delivery was lost in transit",
+                                d.info.stream_seq
+                            ),
+                            ctx,
+                        );
+                        dropped += 1;
+                        continue;
+                    }
                 }
-                if d.info.stream_seq <= self.committed_seq.max(self.max_seen_seq) {
-                    // A redelivery of something this worker holds or committed.
-                    dropped += 1;
-                    continue;
-                }
-                self.max_seen_seq = d.info.stream_seq;
             }
             // Markers are for ordered partitions; on a queue input anyone could end
             // the job with one, so there they are data (and fail to decode as such).
