@@ -236,6 +236,19 @@ pub struct ControlRequest {
     pub offset: Option<u64>,
 }
 
+/// Whether a control request's reply subject is one a node answers on: a requester's
+/// inbox (`_INBOX.…`, as every NATS client makes them), nothing else. A reply subject
+/// is chosen by whoever sends the request, so answering anywhere would let anyone who
+/// may publish a control request make a node publish to the JetStream API
+/// (`$JS.API.STREAM.DELETE.…`), another job or its own control plane.
+pub fn reply_subject_allowed(subject: &str) -> bool {
+    subject.strip_prefix("_INBOX.").is_some_and(|rest| {
+        !rest.is_empty()
+            && rest.split('.').all(|t| !t.is_empty() && t != "*" && t != ">")
+            && !rest.contains(char::is_whitespace)
+    })
+}
+
 /// The most slots one `status` reply carries.
 pub const STATUS_PAGE: usize = 500;
 
@@ -456,5 +469,26 @@ mod tests {
         let (page, _) = status_page(all, 0);
         let bytes = serde_json::to_vec(&page).expect("json").len();
         assert!(bytes < 256 * 1024, "{bytes} bytes in one page");
+    }
+
+    #[test]
+    fn nodes_answer_control_requests_only_on_inboxes() {
+        for ok in ["_INBOX.abc", "_INBOX.N1x2.7", "_INBOX.a.b.c"] {
+            assert!(reply_subject_allowed(ok), "{ok}");
+        }
+        for bad in [
+            "$JS.API.STREAM.DELETE.FLOTILLA_relay_relay-in",
+            "flotilla.relay._ctl.all.shutdown",
+            "flotilla.relay.relay-out.1",
+            "_INBOX.",
+            "_INBOX",
+            "_INBOX.>",
+            "_INBOX.a.*",
+            "_INBOX.a..b",
+            "_INBOX.a b",
+            "x_INBOX.a",
+        ] {
+            assert!(!reply_subject_allowed(bad), "{bad}");
+        }
     }
 }

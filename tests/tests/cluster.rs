@@ -649,6 +649,19 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
     let r = ask("step", r#"{"request_id":"r3","stream":"relay-in","partition":0}"#).await;
     let again = ask("step", r#"{"request_id":"r3","stream":"relay-in","partition":0}"#).await;
     assert!(again.duplicate && !again.acted, "a repeated request id is not acted on twice: {r:?} then {again:?}");
+    // A reply subject is the requester's choice: a node answers only on an inbox, so a
+    // request cannot make it publish to the JetStream API (here: purge relay-out, an
+    // API that takes a JSON body and ignores fields it does not know).
+    for ack in c.broker.publish_batch((0..3).map(record).collect()).await {
+        ack.expect("publish");
+    }
+    wait_all_out(&c, 3, Duration::from_secs(30)).await;
+    let mut sneaky = CoreMessage::new("flotilla.relay._ctl.node.b.status", r#"{"request_id":"r4"}"#);
+    sneaky.reply = Some(format!("$JS.API.STREAM.PURGE.{OUT}"));
+    c.broker.core_publish(sneaky).await.expect("publish");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let kept = c.broker.stream_state(OUT).await.map(|s| s.messages).unwrap_or(0);
+    assert_eq!(kept, 3, "a control reply purged relay-out");
     let bad = c.relay_cmd(&["pause", "--stream", "nope"]);
     assert_eq!(bad.status.code(), Some(2), "an unknown stream is refused");
     assert!(String::from_utf8_lossy(&bad.stderr).contains("no input stream \"nope\""));

@@ -663,6 +663,10 @@ impl Membership {
 
     fn reply(&self, to: Option<String>, reply: ControlReply) {
         let Some(subject) = to else { return };
+        if !cluster::reply_subject_allowed(&subject) {
+            warn!(reply_to = %subject, request_id = %reply.request_id, "control request with a reply subject that is not an inbox: not answered");
+            return;
+        }
         let body = serde_json::to_vec(&reply).unwrap_or_default();
         let fut = self.s.broker.core_publish(CoreMessage::new(subject, body));
         actix::spawn(async move {
