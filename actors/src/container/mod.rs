@@ -166,6 +166,10 @@ impl Slot {
     }
 }
 
+/// Cluster mode: failed resets of a partition in a row after which its lease is handed
+/// back (about 10 s of backoff), so that a node never holds a partition it cannot run.
+const RESETS_BEFORE_HANDING_BACK: u32 = 5;
+
 /// The wait of a slot's next claim after `empty` empty claims in a row: `base`,
 /// doubling per empty claim, at most `idle` (and never less than `base`).
 fn claim_wait_after(empty: u32, base: Duration, idle: Duration) -> Duration {
@@ -530,6 +534,14 @@ impl Container {
                         act.spawn_worker(i, ctx);
                         act.pump_slot(i, ctx);
                     }
+                }
+                Err(e) if act.observer.is_some() && s.reset_failures >= RESETS_BEFORE_HANDING_BACK => {
+                    // Cluster mode: a partition this node cannot reset is a partition it
+                    // does not serve; hand the lease back so another node tries.
+                    warn!(stream = %s.spec.stream, partition = ?s.spec.partition, error = %e, "could not reset the partition after repeated tries: handing it back");
+                    s.restart_pending = false;
+                    s.finished = true;
+                    act.report_ended(i, Outcome::Stopped);
                 }
                 Err(e) => {
                     s.reset_failures += 1;
@@ -906,13 +918,21 @@ mod tests {
         assert_eq!(claim_wait_after(3, base, Duration::from_millis(10)), base);
     }
 
-    /// A worker that takes nothing and stops when told.
+    /// A worker that takes nothing and stops when told (or fails at once).
     struct Idle {
         slot: usize,
         container: Recipient<WorkerReport>,
+        fail: bool,
     }
     impl Actor for Idle {
         type Context = Context<Self>;
+        fn started(&mut self, ctx: &mut Context<Self>) {
+            if self.fail {
+                self.container
+                    .do_send(WorkerReport::Finished { slot: self.slot, outcome: Outcome::Failed("boom".into()) });
+                ctx.stop();
+            }
+        }
     }
     impl Handler<Deliver> for Idle {
         type Result = ();
@@ -964,7 +984,7 @@ mod tests {
                 fence: Some(fence),
                 paused,
                 spawn: Box::new(|sc: SlotContext| {
-                    let idle = Idle { slot: sc.slot, container: sc.container }.start();
+                    let idle = Idle { slot: sc.slot, container: sc.container, fail: false }.start();
                     WorkerHandle {
                         deliver: idle.clone().recipient(),
                         stop: idle.clone().recipient(),
@@ -998,5 +1018,61 @@ mod tests {
         assert_eq!(held, 0, "slots left behind");
         ids.dedup();
         assert_eq!(ids.len(), 100, "slot ids are not reused");
+    }
+
+    /// Cluster mode: a failed task whose partition cannot be reset (its stream is gone)
+    /// starts no worker, and after a few tries the partition is handed back.
+    #[actix_rt::test]
+    async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
+        tokio::time::pause();
+        let broker = flotilla_transport::EmbeddedBroker::new().shared();
+        let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
+        let timers = TimerService::default().start();
+        let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+        let starts = std::rc::Rc::new(std::cell::Cell::new(0));
+        let counted = starts.clone();
+        let factory: PartitionFactory = std::rc::Rc::new(move |stream: &str, p, epoch, fence, paused| {
+            let counted = counted.clone();
+            Some(SlotSpec {
+                stream: stream.to_owned(),
+                partition: Some(p),
+                js_stream: "FLOTILLA_j_gone".into(),
+                consumer: format!("in-p{p}"),
+                capacity: 1,
+                policy: FailurePolicy::RestartTask,
+                sweep: false,
+                takeover: Some(flotilla_transport::broker::ConsumerSpec::new(format!("in-p{p}"))),
+                start: None,
+                epoch,
+                fence: Some(fence),
+                paused,
+                spawn: Box::new(move |sc: SlotContext| {
+                    counted.set(counted.get() + 1);
+                    let idle = Idle { slot: sc.slot, container: sc.container, fail: true }.start();
+                    WorkerHandle {
+                        deliver: idle.clone().recipient(),
+                        stop: idle.clone().recipient(),
+                        control: idle.recipient(),
+                    }
+                }),
+            })
+        });
+        let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let observer = Ends(ended.clone()).start();
+        let (tx, _rx) = oneshot::channel();
+        let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
+            .observed_by(observer.recipient(), factory)
+            .start();
+        let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
+        let add = AddSlot { stream: "in".into(), partition: 0, epoch: 1, fence, paused: false, start: None };
+        let id = container.send(add).await.expect("container").expect("a slot");
+        for _ in 0..600 {
+            if ended.lock().expect("lock").contains(&id) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(ended.lock().expect("lock").contains(&id), "the partition was never handed back");
+        assert_eq!(starts.get(), 1, "no worker started after a failed reset");
     }
 }
