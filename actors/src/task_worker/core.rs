@@ -14,7 +14,10 @@
 //! ([`Suspects`]), so that a message that kills every node that runs it is
 //! dead-lettered instead of taking the cluster down node by node.
 
+use crate::retry::RetryPolicy;
+use flotilla_transport::broker::AckKind;
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// Ordered inputs: the consumer's delivery numbering as this worker has seen it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +61,65 @@ impl DeliverySequence {
                 self.last = Some(consumer_seq);
                 Arrival::Next
             }
+        }
+    }
+}
+
+/// How an input's messages are finished: ordered partitions commit checkpoints (an
+/// ack-all of the contiguous completed prefix) and keep their order through retries;
+/// queue inputs acknowledge, nak and terminate each message on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Discipline {
+    /// An ordered partition.
+    Ordered,
+    /// A queue input.
+    Queue,
+}
+
+/// What follows a failed attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AfterFailure {
+    /// Try again here after this delay; the partition waits (its order is kept).
+    RetryInPlace(Duration),
+    /// Give it back with this delay; any node may take it then.
+    Nak(Duration),
+    /// That was the last attempt: to the dead-letter stream.
+    DeadLetter,
+}
+
+impl Discipline {
+    /// After attempt number `attempt` failed, under `policy`.
+    pub(crate) fn after_failure(self, attempt: u32, policy: &RetryPolicy) -> AfterFailure {
+        if policy.exhausted(attempt) {
+            return AfterFailure::DeadLetter;
+        }
+        let delay = policy.backoff(attempt);
+        match self {
+            Discipline::Ordered => AfterFailure::RetryInPlace(delay),
+            Discipline::Queue => AfterFailure::Nak(delay),
+        }
+    }
+
+    /// What hands back a claimed message that was not finished (a stop, a rebalance, a
+    /// failed task): interrupted is not failed. A queue message is nak'd without delay,
+    /// so any node gets it at once. An ordered one is left alone: whoever runs the
+    /// partition next resets its consumer at the committed position and gets it as a
+    /// first delivery (a nak would count a delivery, and a stale nak could reach the
+    /// reset consumer).
+    pub(crate) fn release(self) -> Option<AckKind> {
+        match self {
+            Discipline::Ordered => None,
+            Discipline::Queue => Some(AckKind::Nak(None)),
+        }
+    }
+
+    /// What finishes a message once its dead letter is stored: an ordered one is
+    /// skipped (it completes, and the next commit covers it in order); a queue one is
+    /// terminated (never redelivered).
+    pub(crate) fn after_dead_letter(self) -> Option<AckKind> {
+        match self {
+            Discipline::Ordered => None,
+            Discipline::Queue => Some(AckKind::Term),
         }
     }
 }
@@ -282,5 +344,24 @@ mod tests {
         assert_eq!(intake.admit(21, 9), Admission::Lost { expected: 6, got: 9 }, "and nothing after");
         intake.committed_to(11);
         assert_eq!(intake.committed(), 12, "the committed position never goes back");
+    }
+
+    #[test]
+    fn failures_retry_in_place_on_partitions_and_by_nak_on_queues_then_dead_letter() {
+        let policy = RetryPolicy { max_attempts: 3, jitter: 0.0, ..RetryPolicy::default() };
+        let first = policy.backoff(1);
+        assert_eq!(Discipline::Ordered.after_failure(1, &policy), AfterFailure::RetryInPlace(first));
+        assert_eq!(Discipline::Queue.after_failure(1, &policy), AfterFailure::Nak(first));
+        assert!(policy.backoff(2) > first, "backoff grows");
+        assert_eq!(Discipline::Ordered.after_failure(3, &policy), AfterFailure::DeadLetter);
+        assert_eq!(Discipline::Queue.after_failure(3, &policy), AfterFailure::DeadLetter);
+    }
+
+    #[test]
+    fn interrupted_is_not_failed_and_dead_letters_finish_by_discipline() {
+        assert_eq!(Discipline::Ordered.release(), None, "left for the next owner's reset");
+        assert_eq!(Discipline::Queue.release(), Some(AckKind::Nak(None)), "back at once, no delay");
+        assert_eq!(Discipline::Ordered.after_dead_letter(), None, "skipped, committed in order");
+        assert_eq!(Discipline::Queue.after_dead_letter(), Some(AckKind::Term));
     }
 }

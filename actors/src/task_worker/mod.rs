@@ -31,7 +31,7 @@ mod messages;
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
 pub use self::core::SuspectRecord;
-use self::core::{Admission, Intake, SuspectVerdict, Suspects};
+use self::core::{Admission, AfterFailure, Discipline, Intake, SuspectVerdict, Suspects};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::reaper::{DeadLetter, Reaper};
@@ -101,6 +101,10 @@ impl From<&flotilla_transport::topology::Resumption> for PartitionStart {
 impl Binding {
     fn ordered(&self) -> bool {
         matches!(self.kind, StreamKind::Ordered { .. })
+    }
+
+    fn discipline(&self) -> Discipline {
+        if self.ordered() { Discipline::Ordered } else { Discipline::Queue }
     }
 
     /// The partition's lease is gone (or could not be renewed in time).
@@ -820,22 +824,25 @@ impl<T: Task> TaskWorker<T> {
         let Some(envelope) = self.inflight.get_mut(&order) else { return };
         let attempt = envelope.attempt;
         let max = self.config.retry.max_attempts;
-        if self.config.retry.exhausted(attempt) {
-            warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, attempt, %reason, "last attempt failed; dead-lettering");
-            self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);
-            return;
-        }
-        let delay = self.config.retry.backoff(attempt);
-        debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, attempt, ?delay, %reason, "attempt failed; retrying");
-        if self.binding.ordered() {
-            envelope.attempt += 1;
-            envelope.started = None;
-            self.state.attempt_paused(order);
-            self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
-        } else {
-            let token = envelope.delivery.token.clone();
-            self.ack(&token, AckKind::Nak(Some(delay)));
-            self.forget(order);
+        let seq = envelope.delivery.info.stream_seq;
+        match self.binding.discipline().after_failure(attempt, &self.config.retry) {
+            AfterFailure::DeadLetter => {
+                warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
+                self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);
+            }
+            AfterFailure::RetryInPlace(delay) => {
+                debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
+                envelope.attempt += 1;
+                envelope.started = None;
+                self.state.attempt_paused(order);
+                self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
+            }
+            AfterFailure::Nak(delay) => {
+                debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
+                let token = envelope.delivery.token.clone();
+                self.ack(&token, AckKind::Nak(Some(delay)));
+                self.forget(order);
+            }
         }
     }
 
@@ -863,16 +870,19 @@ impl<T: Task> TaskWorker<T> {
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
-                Ok(Ok(())) => {
-                    if act.binding.ordered() {
+                Ok(Ok(())) => match act.binding.discipline().after_dead_letter() {
+                    None => {
                         act.process_done(order);
                         act.effects_stored(order);
-                    } else if let Some(e) = act.inflight.get(&order) {
-                        let token = e.delivery.token.clone();
-                        act.ack(&token, AckKind::Term);
-                        act.forget(order);
                     }
-                }
+                    Some(kind) => {
+                        if let Some(e) = act.inflight.get(&order) {
+                            let token = e.delivery.token.clone();
+                            act.ack(&token, kind);
+                            act.forget(order);
+                        }
+                    }
+                },
                 Ok(Err(e)) => {
                     warn!(error = %e, "dead letter not stored; trying again in 1 s");
                     if let Some(env) = act.inflight.get_mut(&order) {
@@ -1043,14 +1053,10 @@ impl<T: Task> TaskWorker<T> {
         self.completed(count);
     }
 
-    /// Gives a claimed, unfinished message back. Queue inputs nak it (no delay) so any
-    /// node gets it at once. Ordered inputs leave it: whoever runs the partition next
-    /// recreates its consumer at the committed position, so it is delivered again as a
-    /// first delivery (a nak would count a delivery, and a stale nak could reach the
-    /// recreated consumer).
+    /// Gives a claimed, unfinished message back ([`Discipline::release`]).
     fn hand_back(&mut self, token: &AckToken) {
-        if !self.binding.ordered() {
-            self.ack(token, AckKind::Nak(None));
+        if let Some(kind) = self.binding.discipline().release() {
+            self.ack(token, kind);
         }
     }
 
