@@ -51,7 +51,7 @@ struct Args {
     #[command(flatten)]
     node: NodeArgs,
     /// Partitions of relay-in and relay-out.
-    #[arg(long, default_value_t = 8, global = true, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(long, default_value_t = 8, global = true, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     partitions: u32,
     /// Attempts per record before it is dead-lettered.
     #[arg(long, default_value_t = 3, global = true, value_parser = clap::value_parser!(u32).range(1..=1000))]

@@ -307,15 +307,14 @@ impl Container {
     }
 
     fn spawn_worker(&mut self, i: usize, ctx: &mut Context<Self>) {
-        let sc = SlotContext {
+        let Some(slot) = self.slots.get_mut(&i) else { return };
+        let handle = (slot.spec.spawn)(SlotContext {
             slot: i,
             container: ctx.address().recipient(),
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
-            start: None,
-        };
-        let Some(slot) = self.slots.get_mut(&i) else { return };
-        let handle = (slot.spec.spawn)(SlotContext { start: slot.spec.start, ..sc });
+            start: slot.spec.start,
+        });
         if slot.paused {
             handle.control.do_send(WorkerControl::Pause);
         }
