@@ -807,14 +807,8 @@ impl<T: Task> TaskWorker<T> {
         if !self.state.uncommitted() || self.state.commit_pending() {
             return;
         }
-        // Completed and not yet committed (not merely claimed: a claim of a whole
-        // window must not turn every completion into a commit). Committing earlier, at
-        // half a window, halved the claims too (the container claims what commits free)
-        // and so doubled pull requests and ack-alls: 0.75x of the raw loop's rate
-        // against 0.83x this way (BENCHMARKS.md).
-        let uncommitted = self.state.uncommitted_count(0);
         let idle = self.state.pending_len() == 0 && self.state.in_flight() == 0;
-        if idle || uncommitted >= u64::from(self.config.window).max(1) {
+        if core::commit_due(self.state.uncommitted_count(0), idle, self.config.window) {
             self.state.request_commit();
         }
     }
@@ -1178,18 +1172,18 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let now = Instant::now();
-        let third = self.config.ack_wait / 3;
+        let ack_wait = self.config.ack_wait;
         if self.binding.ordered() {
             // Claimed but uncommitted messages near ack-wait: keep them ours.
             for c in self.claimed.values_mut() {
-                if now.saturating_duration_since(c.at) >= third {
+                if core::progress_due(c.at, now, ack_wait) {
                     c.at = now;
                     self.acks.push((c.token.clone(), AckKind::InProgress));
                 }
             }
         } else {
             for e in self.inflight.values() {
-                if e.started.is_some_and(|s| now.saturating_duration_since(s) >= third) {
+                if e.started.is_some_and(|s| core::progress_due(s, now, ack_wait)) {
                     self.acks.push((e.delivery.token.clone(), AckKind::InProgress));
                 }
             }
