@@ -20,6 +20,17 @@
 //! * Undecodable messages (bad bytes, wrong type header, unknown kind, too large) go to
 //!   the dead-letter stream on their first delivery; a panicking handler is a failed
 //!   attempt.
+//! * **A lost delivery** (the consumer's delivery sequence skips) stops an ordered
+//!   worker: it commits what arrived complete and ends with [`Outcome::Resync`], and the
+//!   container resets the partition at its committed position.
+//! * **Suspects**: after a take-over that found the previous owner's work unfinished,
+//!   each message up to where it had got is counted in the job's KV while it runs, one
+//!   per node at a time; one that ended `crash_limit` owners goes to the dead-letter
+//!   stream as `crash-loop`.
+//!
+//! The rules (which delivery to take, when to commit, what a failure, a hand-back or a
+//! dead letter does to the message, which suspect to quarantine) are plain data in
+//! `core.rs`, tested on their own; this actor performs what they decide.
 //!
 //! Supervision: the [`Container`](crate::container::Container) starts workers and decides,
 //! by the task's [`FailurePolicy`](crate::config::FailurePolicy), what a failed worker
