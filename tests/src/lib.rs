@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod fault_proxy;
+pub mod relay_cluster;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -5,279 +5,24 @@
 //! test ends, also on failure ([`ProcessGuard`], [`NatsServer`]). Nodes run with a 3 s
 //! lease TTL so failover waits stay short; the closing note reports the default's.
 
-use flotilla_actors::cluster::{ControlReply, LeaseRecord, keys};
-use flotilla_tests::{NatsServer, ProcessGuard, example_bin};
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, CoreMessage, OutboundMessage, SharedBroker};
-use flotilla_transport::clock::unix_millis;
-use flotilla_transport::wire::{Codec, Headers, MessageKind, headers, partition_for};
-use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use flotilla_actors::cluster::ControlReply;
+use flotilla_tests::ProcessGuard;
+use flotilla_tests::relay_cluster::Feed;
+use flotilla_tests::relay_cluster::{
+    IN, OUT, PARTITIONS, Record, RelayCluster, TTL, out_ids, read_stream, record, tail,
+};
+use flotilla_transport::broker::{CoreMessage, OutboundMessage};
+use flotilla_transport::wire::{Codec, MessageKind, headers, partition_for};
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
-use std::cell::{Cell, RefCell};
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::rc::Rc;
-use std::time::{Duration, Instant, SystemTime};
-
-const TTL: Duration = Duration::from_secs(3);
-const PARTITIONS: u32 = 8;
-const OUT: &str = "FLOTILLA_relay_relay-out";
-const IN: &str = "FLOTILLA_relay_relay-in";
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
-
-/// A test cluster: one nats-server, relay nodes, their logs.
-struct Cluster {
-    bin: PathBuf,
-    server: NatsServer,
-    dir: tempfile::TempDir,
-    nodes: BTreeMap<String, ProcessGuard>,
-    broker: SharedBroker,
-}
-
-impl Cluster {
-    async fn start(ids: &[&str]) -> Self {
-        let bin = example_bin("relay");
-        let server = NatsServer::start();
-        let broker = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
-        // FLOTILLA_TEST_LOGS=DIR keeps the nodes' logs there (a subdirectory per test).
-        let dir = match std::env::var_os("FLOTILLA_TEST_LOGS") {
-            Some(root) => {
-                std::fs::create_dir_all(&root).expect("log dir");
-                tempfile::Builder::new().prefix("cluster-").disable_cleanup(true).tempdir_in(root).expect("log dir")
-            }
-            None => tempfile::tempdir().expect("tmp"),
-        };
-        let mut c = Self { bin, server, dir, nodes: BTreeMap::new(), broker };
-        // Provision the streams first, as an operator would with `relay publish`.
-        let out = c.relay_cmd(&["publish", "--count", "0"]);
-        assert!(out.status.success(), "provisioning failed: {}", String::from_utf8_lossy(&out.stderr));
-        for id in ids {
-            c.add(id);
-        }
-        c
-    }
-
-    fn log(&self, id: &str) -> PathBuf {
-        self.dir.path().join(format!("{id}.log"))
-    }
-
-    fn log_text(&self, id: &str) -> String {
-        std::fs::read_to_string(self.log(id)).unwrap_or_default()
-    }
-
-    fn all_logs(&self) -> String {
-        self.nodes.keys().map(|id| format!("\n----- node {id} -----\n{}", tail(&self.log_text(id), 40))).collect()
-    }
-
-    /// Starts node `id` (stdout and stderr into its log; killed with the test).
-    fn add(&mut self, id: &str) {
-        let log = std::fs::File::create(self.log(id)).expect("log file");
-        let err = log.try_clone().expect("log file");
-        let mut cmd = if Path::new("/usr/bin/setpriv").is_file() {
-            let mut c = Command::new("/usr/bin/setpriv");
-            c.args(["--pdeathsig", "KILL", "--"]).arg(&self.bin);
-            c
-        } else {
-            Command::new(&self.bin)
-        };
-        cmd.args(["--nats", &self.server.url(), "--node-id", id, "--lease-ttl", "3s", "--ack-wait", "10s"])
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .env("FLOTILLA_LOG", "info,flotilla_actors::membership=debug")
-            // A node's error must stay in the 40 log lines a failure shows, not be
-            // pushed out by a backtrace.
-            .env("RUST_BACKTRACE", "0");
-        self.nodes.insert(id.to_owned(), ProcessGuard::spawn(format!("relay {id}"), &mut cmd));
-    }
-
-    /// Runs a relay subcommand (control or publish) to completion.
-    fn relay_cmd(&self, args: &[&str]) -> std::process::Output {
-        Command::new(&self.bin)
-            .args(["--nats", &self.server.url()])
-            .args(args)
-            .env("FLOTILLA_LOG", "warn")
-            .output()
-            .expect("relay command")
-    }
-
-    /// The current lease holder of each partition.
-    async fn owners(&self) -> BTreeMap<u32, (String, u64)> {
-        let mut out = BTreeMap::new();
-        for p in 0..PARTITIONS {
-            if let Ok(Some(e)) = self.broker.kv_get("FLOTILLA_relay_LEASES", &keys::lease("relay-in", p)).await
-                && let Ok(rec) = serde_json::from_slice::<LeaseRecord>(&e.value)
-            {
-                out.insert(p, (rec.node, rec.epoch));
-            }
-        }
-        out
-    }
-
-    /// Waits until every partition is leased to one of `nodes`, each holding its fair
-    /// share, and the assignment has not changed for two seconds.
-    async fn wait_balanced(&self, nodes: &[&str], within: Duration) -> BTreeMap<u32, String> {
-        let start = Instant::now();
-        let mut last = BTreeMap::new();
-        let mut stable_since = Instant::now();
-        loop {
-            let owners: BTreeMap<u32, String> = self.owners().await.into_iter().map(|(p, (n, _))| (p, n)).collect();
-            let mut counts: BTreeMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
-            for o in owners.values() {
-                if let Some(c) = counts.get_mut(o.as_str()) {
-                    *c += 1;
-                }
-            }
-            let lo = PARTITIONS as usize / nodes.len();
-            let hi = lo + usize::from(!(PARTITIONS as usize).is_multiple_of(nodes.len()));
-            let fair = owners.len() == PARTITIONS as usize
-                && counts.values().sum::<usize>() == PARTITIONS as usize
-                && counts.values().all(|c| (lo..=hi).contains(c));
-            if owners != last {
-                last = owners.clone();
-                stable_since = Instant::now();
-            }
-            if fair && stable_since.elapsed() >= Duration::from_secs(2) {
-                return owners;
-            }
-            assert!(
-                start.elapsed() < within,
-                "partitions not shared fairly by {nodes:?} within {within:?}: {owners:?}{}",
-                self.all_logs()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// Waits until node `id` exits; returns its status.
-    fn wait_exit(&mut self, id: &str, within: Duration) -> std::process::ExitStatus {
-        let guard = self.nodes.get_mut(id).expect("known node");
-        match guard.wait_timeout(within) {
-            Some(status) => status,
-            None => panic!("node {id} did not exit within {within:?}{}", self.all_logs()),
-        }
-    }
-
-    /// The summary line a node printed when it exited: (forwarded, redelivered).
-    fn summary(&self, id: &str) -> (u64, u64) {
-        let text = self.log_text(id);
-        let line = text
-            .lines()
-            .find(|l| l.starts_with(&format!("relay node {id}: forwarded")))
-            .unwrap_or_else(|| panic!("node {id} printed no summary:\n{}", tail(&text, 30)));
-        let number_before = |word: &str| -> u64 {
-            let i = line.find(word).unwrap_or_else(|| panic!("no {word:?} in {line:?}"));
-            line[..i].split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line:?}"))
-        };
-        (number_before(" records to relay-out"), number_before(" redelivered records"))
-    }
-}
-
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-/// A record as the relay's own publisher writes it.
-fn record(id: u64) -> OutboundMessage {
-    let key = id.to_string();
-    let payload = Codec::default().encode(&Record { id, body: format!("record {id}") }).expect("encode");
-    OutboundMessage::new(format!("flotilla.relay.relay-in.{}", partition_for(&key, PARTITIONS)), payload)
-        .with_id(format!("in-{id}"))
-        .with_header(headers::KEY, key)
-        .with_header(headers::TYPE, "Record")
-        .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
-}
-
-/// Publishes records `0..` in batches until stopped; the count published so far.
-struct Feed {
-    stop: Rc<Cell<bool>>,
-    published: Rc<Cell<u64>>,
-    done: tokio::task::JoinHandle<()>,
-}
-
-impl Feed {
-    /// About `per_second` records a second.
-    fn start(broker: SharedBroker, per_second: u64) -> Self {
-        let stop = Rc::new(Cell::new(false));
-        let published = Rc::new(Cell::new(0));
-        let (s, p) = (stop.clone(), published.clone());
-        let done = tokio::task::spawn_local(async move {
-            let batch = (per_second / 20).max(1);
-            while !s.get() {
-                let from = p.get();
-                let msgs: Vec<OutboundMessage> = (from..from + batch).map(record).collect();
-                let acks = broker.publish_batch(msgs).await;
-                if acks.iter().all(Result::is_ok) {
-                    p.set(from + batch);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        });
-        Self { stop, published, done }
-    }
-
-    async fn stop(self) -> u64 {
-        self.stop.set(true);
-        let _ = self.done.await;
-        self.published.get()
-    }
-}
-
-/// Every message of a stream, in stream order: (subject, headers, payload), read
-/// through a fresh consumer.
-async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers, bytes::Bytes, u64)> {
-    let name = format!("check{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer(stream, spec).await.expect("checker consumer");
-    let mut out = Vec::new();
-    loop {
-        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            out.push((d.subject.to_string(), d.headers, d.payload, d.info.stream_seq));
-        }
-    }
-    b.delete_consumer(stream, &name).await.expect("delete checker");
-    out
-}
-
-/// The record ids in relay-out.
-async fn out_ids(b: &SharedBroker) -> BTreeSet<u64> {
-    read_stream(b, OUT)
-        .await
-        .iter()
-        .filter_map(|(_, _, payload, _)| Codec::default().decode::<Record>(payload).ok().map(|r| r.id))
-        .collect()
-}
-
-async fn wait_all_out(c: &Cluster, n: u64, within: Duration) {
-    let start = Instant::now();
-    loop {
-        let stored = c.broker.stream_state(OUT).await.map(|s| s.messages).unwrap_or(0);
-        if stored >= n {
-            break;
-        }
-        assert!(start.elapsed() < within, "relay-out has {stored} of {n} after {within:?}{}", c.all_logs());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let ids = out_ids(&c.broker).await;
-    let missing: Vec<u64> = (0..n).filter(|i| !ids.contains(i)).take(20).collect();
-    assert!(missing.is_empty(), "relay-out misses records (first 20): {missing:?}");
-}
+use std::time::{Duration, Instant};
 
 #[actix_rt::test]
 async fn three_nodes_share_eight_partitions_and_a_fourth_joins_moving_only_what_it_needs() {
-    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let mut c = RelayCluster::start(&["a", "b", "c"]).await;
     let before = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     let feed = Feed::start(c.broker.clone(), 300);
     c.add("d");
@@ -286,7 +31,7 @@ async fn three_nodes_share_eight_partitions_and_a_fourth_joins_moving_only_what_
     assert_eq!(moved.len(), 2, "3 → 4 nodes over 8 partitions moves exactly 2: before {before:?}, after {after:?}");
     assert!(moved.iter().all(|p| after[p] == "d"), "only partitions for the new node move: {before:?} → {after:?}");
     let n = feed.stop().await;
-    wait_all_out(&c, n, Duration::from_secs(60)).await;
+    c.wait_all_out(n, Duration::from_secs(60)).await;
     let status = c.relay_cmd(&["status", "--json"]);
     assert!(status.status.success(), "status failed: {}", String::from_utf8_lossy(&status.stderr));
     let json: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status --json is JSON");
@@ -302,7 +47,7 @@ async fn three_nodes_share_eight_partitions_and_a_fourth_joins_moving_only_what_
 
 #[actix_rt::test]
 async fn a_killed_node_s_partitions_produce_elsewhere_within_two_ttls_and_nothing_is_lost() {
-    let c = Cluster::start(&["a", "b", "c"]).await;
+    let c = RelayCluster::start(&["a", "b", "c"]).await;
     let owners = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     // Watch relay-out as it is written: the first output of each partition per epoch.
     let mut watch = c.broker.subscribe("flotilla.relay.relay-out.*", None).await.expect("watch");
@@ -347,7 +92,7 @@ async fn a_killed_node_s_partitions_produce_elsewhere_within_two_ttls_and_nothin
     }
     eprintln!("failover (kill -9 → first output, lease TTL {TTL:?}): {failover:?}");
     let n = feed.stop().await;
-    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    c.wait_all_out(n, Duration::from_secs(90)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     watcher.abort();
     // Reprocessing is bounded by what the killed node had processed but not committed
@@ -366,7 +111,7 @@ async fn a_killed_node_s_partitions_produce_elsewhere_within_two_ttls_and_nothin
 /// pid gone), takes over that id's leases with new epochs, and nothing is lost.
 #[actix_rt::test]
 async fn a_node_killed_and_restarted_with_its_id_within_a_second_takes_it_over_and_loses_nothing() {
-    let mut c = Cluster::start(&["a", "b"]).await;
+    let mut c = RelayCluster::start(&["a", "b"]).await;
     let owners = c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
     let feed = Feed::start(c.broker.clone(), 400);
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -407,7 +152,7 @@ async fn a_node_killed_and_restarted_with_its_id_within_a_second_takes_it_over_a
     );
     eprintln!("restart in place: a held {held_by_a:?}; its partitions had new epochs {took:?} after the restart");
     let n = feed.stop().await;
-    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    c.wait_all_out(n, Duration::from_secs(90)).await;
 }
 
 /// A record that aborts every node that runs it, with nodes restarted at once as a
@@ -416,7 +161,7 @@ async fn a_node_killed_and_restarted_with_its_id_within_a_second_takes_it_over_a
 /// other record is relayed.
 #[actix_rt::test]
 async fn a_record_that_kills_every_node_ends_in_the_dlq_as_a_crash_loop() {
-    let mut c = Cluster::start(&["a", "b"]).await;
+    let mut c = RelayCluster::start(&["a", "b"]).await;
     c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
     const N: u64 = 400;
     const CRASHER: u64 = 123;
@@ -481,7 +226,7 @@ async fn a_record_that_kills_every_node_ends_in_the_dlq_as_a_crash_loop() {
 
 #[actix_rt::test]
 async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
-    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let mut c = RelayCluster::start(&["a", "b", "c"]).await;
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     let feed = Feed::start(c.broker.clone(), 400);
     tokio::time::sleep(Duration::from_secs(4)).await;
@@ -490,7 +235,7 @@ async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
     assert!(c.wait_exit("b", Duration::from_secs(30)).success(), "b exits 0");
     tokio::time::sleep(Duration::from_secs(3)).await;
     let n = feed.stop().await;
-    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    c.wait_all_out(n, Duration::from_secs(90)).await;
     let shutdown = c.relay_cmd(&["shutdown", "--timeout", "30s"]);
     assert!(shutdown.status.success(), "shutdown failed: {}", String::from_utf8_lossy(&shutdown.stderr));
     for id in ["a", "c"] {
@@ -507,7 +252,7 @@ async fn a_graceful_stop_under_load_delivers_every_record_exactly_once() {
 
 #[actix_rt::test]
 async fn a_paused_node_loses_its_leases_and_publishes_nothing_stale_once_it_notices() {
-    let c = Cluster::start(&["a", "b", "c"]).await;
+    let c = RelayCluster::start(&["a", "b", "c"]).await;
     let owners = c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     let feed = Feed::start(c.broker.clone(), 300);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -537,7 +282,7 @@ async fn a_paused_node_loses_its_leases_and_publishes_nothing_stale_once_it_noti
     }
     tokio::time::sleep(Duration::from_secs(5)).await;
     let n = feed.stop().await;
-    wait_all_out(&c, n, Duration::from_secs(90)).await;
+    c.wait_all_out(n, Duration::from_secs(90)).await;
     // Per partition, in stored order, the epoch never goes back — except outputs that
     // were in flight at the pause (at most one per partition: max_concurrency is 1).
     let mut newest: BTreeMap<u32, u64> = BTreeMap::new();
@@ -560,7 +305,7 @@ async fn a_paused_node_loses_its_leases_and_publishes_nothing_stale_once_it_noti
 
 #[actix_rt::test]
 async fn drain_with_traffic_processes_exactly_what_precedes_each_marker() {
-    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let mut c = RelayCluster::start(&["a", "b", "c"]).await;
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     let feed = Feed::start(c.broker.clone(), 400);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -605,7 +350,7 @@ async fn drain_with_traffic_processes_exactly_what_precedes_each_marker() {
 
 #[actix_rt::test]
 async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothing() {
-    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let mut c = RelayCluster::start(&["a", "b", "c"]).await;
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
 
     // A second node with a live node's id is refused, saying so.
@@ -613,7 +358,7 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
     let mut dup = ProcessGuard::spawn(
         "duplicate relay a",
         Command::new(&c.bin)
-            .args(["--nats", &c.server.url(), "--node-id", "a", "--lease-ttl", "3s"])
+            .args(["--nats", &c.nats, "--node-id", "a", "--lease-ttl", "3s"])
             .env("FLOTILLA_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&dup_log).expect("log")),
@@ -655,7 +400,7 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
     for ack in c.broker.publish_batch((0..3).map(record).collect()).await {
         ack.expect("publish");
     }
-    wait_all_out(&c, 3, Duration::from_secs(30)).await;
+    c.wait_all_out(3, Duration::from_secs(30)).await;
     let mut sneaky = CoreMessage::new("flotilla.relay._ctl.node.b.status", r#"{"request_id":"r4"}"#);
     sneaky.reply = Some(format!("$JS.API.STREAM.PURGE.{OUT}"));
     c.broker.core_publish(sneaky).await.expect("publish");
@@ -684,7 +429,7 @@ async fn shutdown_makes_every_node_exit_zero_and_bad_control_input_changes_nothi
 
 #[actix_rt::test]
 async fn pause_step_and_resume_a_partition() {
-    let c = Cluster::start(&["a", "b"]).await;
+    let c = RelayCluster::start(&["a", "b"]).await;
     c.wait_balanced(&["a", "b"], Duration::from_secs(40)).await;
     let paused = c.relay_cmd(&["pause", "--stream", "relay-in", "--partition", "3"]);
     assert!(paused.status.success(), "pause failed: {}", String::from_utf8_lossy(&paused.stderr));
@@ -761,15 +506,15 @@ async fn pause_step_and_resume_a_partition() {
 
 #[actix_rt::test]
 async fn nodes_ride_out_a_nats_server_restart_under_load_and_lose_nothing() {
-    let mut c = Cluster::start(&["a", "b", "c"]).await;
+    let mut c = RelayCluster::start(&["a", "b", "c"]).await;
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(40)).await;
     let out = c.relay_cmd(&["publish", "--count", "6000", "--start", "0"]);
     assert!(out.status.success(), "publish: {}", String::from_utf8_lossy(&out.stderr));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    c.server.kill();
+    c.server().kill();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    c.server.restart();
-    wait_all_out(&c, 6000, Duration::from_secs(120)).await;
+    c.server().restart();
+    c.wait_all_out(6000, Duration::from_secs(120)).await;
     for id in ["a", "b", "c"] {
         let guard = c.nodes.get_mut(id).expect("node");
         assert!(guard.wait_timeout(Duration::from_millis(10)).is_none(), "node {id} died with the server");

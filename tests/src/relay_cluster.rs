@@ -1,0 +1,434 @@
+//! A cluster of `relay` example nodes on real nats-servers, for the multi-process
+//! tests: start nodes (each with its own flags, environment or wrapper such as
+//! `faketime`), feed them records, read what they stored, and find what went wrong.
+//!
+//! Every process started here is killed by PID when the cluster is dropped, also when
+//! the test panics ([`ProcessGuard`], [`NatsServer`]). Nodes run with a 3 s lease TTL
+//! (see [`TTL`]) so failover waits stay short.
+
+use crate::{NatsServer, ProcessGuard, example_bin};
+use flotilla_actors::cluster::{LeaseRecord, keys};
+use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::clock::unix_millis;
+use flotilla_transport::wire::{Codec, Headers, MessageId, headers, partition_for};
+use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::rc::Rc;
+use std::time::{Duration, Instant, SystemTime};
+
+/// The lease TTL nodes of a test cluster run with.
+pub const TTL: Duration = Duration::from_secs(3);
+/// Partitions of `relay-in` and `relay-out`.
+pub const PARTITIONS: u32 = 8;
+/// The relay's output stream.
+pub const OUT: &str = "FLOTILLA_relay_relay-out";
+/// The relay's ordered input stream.
+pub const IN: &str = "FLOTILLA_relay_relay-in";
+/// The relay job's dead-letter stream.
+pub const DLQ: &str = "FLOTILLA_relay_DLQ";
+
+/// The relay's record type (as `examples/relay.rs` declares it).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// The record's number: its key and its message id (`in-{id}`).
+    pub id: u64,
+    /// Its body; some bodies are instructions to the relay (`poison`, `sleep:MS`, …).
+    pub body: String,
+}
+
+/// How to start one node, beyond the cluster's defaults.
+#[derive(Debug, Clone, Default)]
+pub struct Launch {
+    /// The NATS URL(s) for this node, when not the cluster's.
+    pub nats: Option<String>,
+    /// A command the node runs under, e.g. `["faketime", "-f", "+90s"]`.
+    pub wrapper: Vec<String>,
+    /// Extra flags after the defaults (a later flag wins).
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+}
+
+/// A test cluster of relay nodes; see the [module docs](self).
+pub struct RelayCluster {
+    /// The relay binary.
+    pub bin: PathBuf,
+    /// The server the cluster started itself, when it did (see [`RelayCluster::start`]).
+    pub server: Option<NatsServer>,
+    /// The NATS URL(s) nodes and commands use by default.
+    pub nats: String,
+    /// Where node logs go.
+    pub dir: tempfile::TempDir,
+    /// The running nodes, by id.
+    pub nodes: BTreeMap<String, ProcessGuard>,
+    /// A JetStream connection of the test's own.
+    pub broker: SharedBroker,
+}
+
+impl RelayCluster {
+    /// Starts a nats-server of its own and nodes `ids` on it.
+    pub async fn start(ids: &[&str]) -> Self {
+        let server = NatsServer::start();
+        let mut c = Self::on(&server.url(), ids).await;
+        c.server = Some(server);
+        c
+    }
+
+    /// Starts nodes `ids` against the server(s) at `nats` (comma-separated URLs),
+    /// provisioning the job's streams first as an operator would with `relay publish`.
+    pub async fn on(nats: &str, ids: &[&str]) -> Self {
+        Self::on_with(nats, &[], ids).await
+    }
+
+    /// As [`on`](Self::on), with `common` flags (e.g. `--replicas 3`) given to the
+    /// provisioning command too.
+    pub async fn on_with(nats: &str, common: &[&str], ids: &[&str]) -> Self {
+        let bin = example_bin("relay");
+        let broker = JetStreamBroker::connect(JetStreamOptions::new(nats)).await.expect("connect").shared();
+        // FLOTILLA_TEST_LOGS=DIR keeps the nodes' logs there (a subdirectory per test).
+        let dir = match std::env::var_os("FLOTILLA_TEST_LOGS") {
+            Some(root) => {
+                std::fs::create_dir_all(&root).expect("log dir");
+                tempfile::Builder::new().prefix("cluster-").disable_cleanup(true).tempdir_in(root).expect("log dir")
+            }
+            None => tempfile::tempdir().expect("tmp"),
+        };
+        let mut c = Self { bin, server: None, nats: nats.to_owned(), dir, nodes: BTreeMap::new(), broker };
+        let mut args = vec!["publish", "--count", "0"];
+        args.extend_from_slice(common);
+        let out = c.relay_cmd(&args);
+        assert!(out.status.success(), "provisioning failed: {}", String::from_utf8_lossy(&out.stderr));
+        let launch = Launch { args: common.iter().map(|a| (*a).to_owned()).collect(), ..Launch::default() };
+        for id in ids {
+            c.add_with(id, launch.clone());
+        }
+        c
+    }
+
+    /// The server the cluster started.
+    ///
+    /// # Panics
+    /// When it was started on servers of the test's own ([`on`](Self::on)).
+    pub fn server(&mut self) -> &mut NatsServer {
+        self.server.as_mut().expect("this cluster runs on servers the test owns")
+    }
+
+    /// Node `id`'s log file.
+    pub fn log(&self, id: &str) -> PathBuf {
+        self.dir.path().join(format!("{id}.log"))
+    }
+
+    /// What node `id` logged so far.
+    pub fn log_text(&self, id: &str) -> String {
+        std::fs::read_to_string(self.log(id)).unwrap_or_default()
+    }
+
+    /// The last 40 lines of every node's log, for failure messages.
+    pub fn all_logs(&self) -> String {
+        self.nodes.keys().map(|id| format!("\n----- node {id} -----\n{}", tail(&self.log_text(id), 40))).collect()
+    }
+
+    /// Starts node `id` with the defaults (stdout and stderr into its log).
+    pub fn add(&mut self, id: &str) {
+        self.add_with(id, Launch::default());
+    }
+
+    /// Starts node `id` as `launch` says.
+    pub fn add_with(&mut self, id: &str, launch: Launch) {
+        let log = std::fs::File::create(self.log(id)).expect("log file");
+        let err = log.try_clone().expect("log file");
+        let mut chain: Vec<PathBuf> = launch.wrapper.iter().map(PathBuf::from).collect();
+        chain.push(self.bin.clone());
+        let mut cmd = if Path::new("/usr/bin/setpriv").is_file() {
+            let mut c = Command::new("/usr/bin/setpriv");
+            c.args(["--pdeathsig", "KILL", "--"]).args(&chain);
+            c
+        } else {
+            let mut c = Command::new(&chain[0]);
+            c.args(&chain[1..]);
+            c
+        };
+        let nats = launch.nats.clone().unwrap_or_else(|| self.nats.clone());
+        cmd.args(["--nats", &nats, "--node-id", id, "--lease-ttl", "3s", "--ack-wait", "10s"])
+            .args(&launch.args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .env("FLOTILLA_LOG", "info,flotilla_actors::membership=debug")
+            // A node's error must stay in the 40 log lines a failure shows, not be
+            // pushed out by a backtrace.
+            .env("RUST_BACKTRACE", "0");
+        for (k, v) in &launch.env {
+            cmd.env(k, v);
+        }
+        self.nodes.insert(id.to_owned(), ProcessGuard::spawn(format!("relay {id}"), &mut cmd));
+    }
+
+    /// Sends `signal` to node `id`.
+    pub fn signal(&self, id: &str, signal: &str) {
+        self.nodes.get(id).unwrap_or_else(|| panic!("no node {id}")).signal(signal);
+    }
+
+    /// Runs a relay subcommand (control or publish) to completion.
+    pub fn relay_cmd(&self, args: &[&str]) -> std::process::Output {
+        Command::new(&self.bin)
+            .args(["--nats", &self.nats])
+            .args(args)
+            .env("FLOTILLA_LOG", "warn")
+            .output()
+            .expect("relay command")
+    }
+
+    /// The current lease holder and epoch of each partition.
+    pub async fn owners(&self) -> BTreeMap<u32, (String, u64)> {
+        let mut out = BTreeMap::new();
+        for p in 0..PARTITIONS {
+            if let Ok(Some(e)) = self.broker.kv_get("FLOTILLA_relay_LEASES", &keys::lease("relay-in", p)).await
+                && let Ok(rec) = serde_json::from_slice::<LeaseRecord>(&e.value)
+            {
+                out.insert(p, (rec.node, rec.epoch));
+            }
+        }
+        out
+    }
+
+    /// Waits until every partition is leased to one of `nodes`, each holding its fair
+    /// share, and the assignment has not changed for two seconds.
+    pub async fn wait_balanced(&self, nodes: &[&str], within: Duration) -> BTreeMap<u32, String> {
+        let start = Instant::now();
+        let mut last = BTreeMap::new();
+        let mut stable_since = Instant::now();
+        loop {
+            let owners: BTreeMap<u32, String> = self.owners().await.into_iter().map(|(p, (n, _))| (p, n)).collect();
+            let mut counts: BTreeMap<&str, usize> = nodes.iter().map(|n| (*n, 0)).collect();
+            for o in owners.values() {
+                if let Some(c) = counts.get_mut(o.as_str()) {
+                    *c += 1;
+                }
+            }
+            let lo = PARTITIONS as usize / nodes.len();
+            let hi = lo + usize::from(!(PARTITIONS as usize).is_multiple_of(nodes.len()));
+            let fair = owners.len() == PARTITIONS as usize
+                && counts.values().sum::<usize>() == PARTITIONS as usize
+                && counts.values().all(|c| (lo..=hi).contains(c));
+            if owners != last {
+                last = owners.clone();
+                stable_since = Instant::now();
+            }
+            if fair && stable_since.elapsed() >= Duration::from_secs(2) {
+                return owners;
+            }
+            assert!(
+                start.elapsed() < within,
+                "partitions not shared fairly by {nodes:?} within {within:?}: {owners:?}{}",
+                self.all_logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Waits until none of `partitions` is held by `node` any more and each is held by
+    /// someone else; how long that took.
+    pub async fn wait_moved_from(&self, node: &str, partitions: &[u32], within: Duration) -> Duration {
+        let start = Instant::now();
+        loop {
+            let owners = self.owners().await;
+            if partitions.iter().all(|p| owners.get(p).is_some_and(|(o, _)| o != node)) {
+                return start.elapsed();
+            }
+            assert!(
+                start.elapsed() < within,
+                "partitions {partitions:?} still held by {node} after {within:?}: {owners:?}{}",
+                self.all_logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until node `id`'s log contains `text`.
+    pub async fn wait_log(&self, id: &str, text: &str, within: Duration) {
+        let start = Instant::now();
+        while !self.log_text(id).contains(text) {
+            assert!(start.elapsed() < within, "node {id} never logged {text:?} within {within:?}{}", self.all_logs());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Waits until node `id` exits; returns its status.
+    pub fn wait_exit(&mut self, id: &str, within: Duration) -> std::process::ExitStatus {
+        let guard = self.nodes.get_mut(id).expect("known node");
+        match guard.wait_timeout(within) {
+            Some(status) => status,
+            None => panic!("node {id} did not exit within {within:?}{}", self.all_logs()),
+        }
+    }
+
+    /// Whether node `id` is still running.
+    pub fn is_running(&mut self, id: &str) -> bool {
+        self.nodes.get_mut(id).is_some_and(|g| g.wait_timeout(Duration::from_millis(1)).is_none())
+    }
+
+    /// The summary line a node printed when it exited: (forwarded, redelivered).
+    pub fn summary(&self, id: &str) -> (u64, u64) {
+        let text = self.log_text(id);
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("relay node {id}: forwarded")))
+            .unwrap_or_else(|| panic!("node {id} printed no summary:\n{}", tail(&text, 30)));
+        let number_before = |word: &str| -> u64 {
+            let i = line.find(word).unwrap_or_else(|| panic!("no {word:?} in {line:?}"));
+            line[..i].split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line:?}"))
+        };
+        (number_before(" records to relay-out"), number_before(" redelivered records"))
+    }
+
+    /// Waits until relay-out holds records `0..n`; panics naming the first missing.
+    pub async fn wait_all_out(&self, n: u64, within: Duration) {
+        let start = Instant::now();
+        loop {
+            let stored = self.broker.stream_state(OUT).await.map(|s| s.messages).unwrap_or(0);
+            if stored >= n {
+                break;
+            }
+            assert!(start.elapsed() < within, "relay-out has {stored} of {n} after {within:?}{}", self.all_logs());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let ids = out_ids(&self.broker).await;
+        let missing: Vec<u64> = (0..n).filter(|i| !ids.contains(i)).take(20).collect();
+        assert!(missing.is_empty(), "relay-out misses records (first 20): {missing:?}");
+    }
+}
+
+/// The last `n` lines of `text`.
+pub fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Record `id` as the relay's own publisher writes it.
+pub fn record(id: u64) -> OutboundMessage {
+    record_with(id, &format!("record {id}"))
+}
+
+/// Record `id` with `body` (`poison`, `sleep:MS`, `later:MS`, … as the relay reads them).
+pub fn record_with(id: u64, body: &str) -> OutboundMessage {
+    let key = id.to_string();
+    let payload = Codec::default().encode(&Record { id, body: body.to_owned() }).expect("encode");
+    OutboundMessage::new(format!("flotilla.relay.relay-in.{}", partition_for(&key, PARTITIONS)), payload)
+        .with_id(format!("in-{id}"))
+        .with_header(headers::KEY, key)
+        .with_header(headers::TYPE, "Record")
+        .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
+}
+
+/// Publishes records `0..` in batches until stopped, counting only batches the stream
+/// acknowledged whole, and the longest time between two acknowledged batches (how long
+/// publishers were held up by a fault).
+pub struct Feed {
+    stop: Rc<Cell<bool>>,
+    published: Rc<Cell<u64>>,
+    longest_gap: Rc<Cell<Duration>>,
+    done: tokio::task::JoinHandle<()>,
+}
+
+impl Feed {
+    /// About `per_second` records a second. Must run inside a `LocalSet` (as
+    /// `#[actix_rt::test]` tests do).
+    pub fn start(broker: SharedBroker, per_second: u64) -> Self {
+        let stop = Rc::new(Cell::new(false));
+        let published = Rc::new(Cell::new(0));
+        let longest_gap = Rc::new(Cell::new(Duration::ZERO));
+        let (s, p, g) = (stop.clone(), published.clone(), longest_gap.clone());
+        let done = tokio::task::spawn_local(async move {
+            let batch = (per_second / 20).max(1);
+            let mut last_ok = Instant::now();
+            while !s.get() {
+                let from = p.get();
+                let msgs: Vec<OutboundMessage> = (from..from + batch).map(record).collect();
+                let acks = broker.publish_batch(msgs).await;
+                if acks.iter().all(Result::is_ok) {
+                    p.set(from + batch);
+                    g.set(g.get().max(last_ok.elapsed()));
+                    last_ok = Instant::now();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        Self { stop, published, longest_gap, done }
+    }
+
+    /// Records published so far.
+    pub fn published(&self) -> u64 {
+        self.published.get()
+    }
+
+    /// The longest time between two acknowledged batches so far.
+    pub fn longest_gap(&self) -> Duration {
+        self.longest_gap.get()
+    }
+
+    /// Stops publishing; how many records were published (ids `0..n`).
+    pub async fn stop(self) -> u64 {
+        self.stop.set(true);
+        let _ = self.done.await;
+        self.published.get()
+    }
+}
+
+/// Every message of a stream, in stream order: (subject, headers, payload, stream
+/// sequence), read through a fresh consumer that is deleted afterwards.
+pub async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers, bytes::Bytes, u64)> {
+    let name = format!("check{}", MessageId::new_v7().as_str().replace('-', ""));
+    let spec =
+        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
+    b.ensure_consumer(stream, spec).await.expect("checker consumer");
+    let mut out = Vec::new();
+    loop {
+        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            out.push((d.subject.to_string(), d.headers, d.payload, d.info.stream_seq));
+        }
+    }
+    b.delete_consumer(stream, &name).await.expect("delete checker");
+    out
+}
+
+/// The record ids in relay-out.
+pub async fn out_ids(b: &SharedBroker) -> BTreeSet<u64> {
+    out_id_counts(b).await.into_keys().collect()
+}
+
+/// How often each record id is stored in relay-out (more than once is a duplicate the
+/// stream's deduplication window did not catch).
+pub async fn out_id_counts(b: &SharedBroker) -> BTreeMap<u64, u32> {
+    let mut counts = BTreeMap::new();
+    for (_, _, payload, _) in read_stream(b, OUT).await {
+        if let Ok(r) = Codec::default().decode::<Record>(&payload) {
+            *counts.entry(r.id).or_default() += 1;
+        }
+    }
+    counts
+}
+
+/// Outputs stored with an epoch older than the one their partition's lease had when
+/// `newer` was read: (subject, epoch). A fenced writer must store none of these after
+/// the move.
+pub async fn stale_outputs(b: &SharedBroker, after_seq: u64, newer: &BTreeMap<u32, u64>) -> Vec<(String, u64)> {
+    read_stream(b, OUT)
+        .await
+        .into_iter()
+        .filter(|(_, _, _, seq)| *seq > after_seq)
+        .filter_map(|(subject, h, _, _)| {
+            let p: u32 = subject.rsplit('.').next()?.parse().ok()?;
+            let epoch: u64 = h.get(headers::EPOCH)?.parse().ok()?;
+            (epoch < *newer.get(&p)?).then_some((subject, epoch))
+        })
+        .collect()
+}
