@@ -90,8 +90,8 @@ async fn main() -> anyhow::Result<()> {
     let orders = StreamName::new("orders")?;
     let events = StreamName::new("events")?;
     let ack_wait = Duration::from_secs(30);
-    topology::provision_queue(&broker, &subjects, &orders, ack_wait, 5, CLAIM as u32).await?;
-    topology::provision_ordered(&broker, &subjects, &events, args.partitions, ack_wait, CLAIM as u32).await?;
+    topology::provision_queue(&broker, &subjects, &orders, ack_wait, 5, CLAIM as u32, 1).await?;
+    topology::provision_ordered(&broker, &subjects, &events, args.partitions, ack_wait, CLAIM as u32, 1).await?;
     let orders_stream = subjects.stream_name(&orders);
     let events_stream = subjects.stream_name(&events);
     let codec = Codec::default();

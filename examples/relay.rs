@@ -208,7 +208,8 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(flotilla::node::runner::control(&args.node, "relay", command));
     }
     if let Some(Command::Publish { count, poison, start }) = args.command {
-        if args.node.resolve()?.urls().is_empty() {
+        let config = args.node.resolve()?;
+        if config.urls().is_empty() {
             bail!(
                 "publish needs --nats URL: the embedded broker lives inside one process, so records published to it would vanish"
             );
@@ -216,6 +217,11 @@ fn main() -> anyhow::Result<()> {
         if poison > count {
             bail!("--poison {poison} is more than --count {count}");
         }
+        // Notes on existing streams (kept settings, fewer replicas) go to the log.
+        flotilla::node::runner::init_logging(&flotilla::node::config::NodeConfig {
+            log: Some(config.log.clone().unwrap_or_else(|| "warn".into())),
+            ..config.clone()
+        })?;
         let system = actix::System::new();
         return system.block_on(async move {
             let broker = args.node.connect("relay-publisher").await?;
@@ -225,7 +231,8 @@ fn main() -> anyhow::Result<()> {
                 counts: Rc::default(),
                 _input: std::marker::PhantomData,
             });
-            let job = job.max_attempts(args.max_attempts).ack_wait(args.ack_wait).output(output);
+            let job =
+                job.max_attempts(args.max_attempts).ack_wait(args.ack_wait).output(output).replicas(config.replicas()?);
             job.provision(broker.clone()).await?;
             let started = Instant::now();
             publish(&broker, &input, start, count, poison, None).await?;

@@ -36,6 +36,9 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tracing::info;
 
+/// The most replicas a JetStream stream can have.
+pub const MAX_REPLICAS: usize = 5;
+
 /// Why a job could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -96,6 +99,7 @@ pub struct Job {
     run_id: Option<String>,
     codec: Codec,
     container: ContainerConfig,
+    replicas: usize,
     errors: Vec<String>,
 }
 
@@ -115,6 +119,7 @@ impl Job {
             run_id: None,
             codec: Codec::default(),
             container: ContainerConfig::default(),
+            replicas: 1,
             errors: Vec::new(),
         }
     }
@@ -279,6 +284,20 @@ impl Job {
         self
     }
 
+    /// Keeps `replicas` copies (1 to 5) of every stream and KV bucket the job creates,
+    /// for a NATS cluster of at least that many servers. Default 1. Objects that exist
+    /// with another replica count are kept as they are, with a logged note (a warning
+    /// when they have fewer).
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// The replica count the job creates its streams and buckets with.
+    pub fn replica_count(&self) -> usize {
+        self.replicas
+    }
+
     /// Sets the container's settings (claim wait, backlog thresholds, sweeps).
     pub fn container_config(mut self, config: ContainerConfig) -> Self {
         self.container = config;
@@ -299,6 +318,12 @@ impl Job {
             return Err(misconfigured(
                 "it has no tasks: add one with .task(STREAM, |partition| MyTask::default())".into(),
             ));
+        }
+        if !(1..=MAX_REPLICAS).contains(&self.replicas) {
+            return Err(misconfigured(format!(
+                "replicas is {}; use 1 to {MAX_REPLICAS} (JetStream keeps at most {MAX_REPLICAS} copies)",
+                self.replicas
+            )));
         }
         let mut seen = std::collections::HashSet::new();
         for (name, _) in &self.outputs {
@@ -329,13 +354,14 @@ impl Job {
     pub async fn provision(&self, broker: SharedBroker) -> Result<(), JobError> {
         self.validate()?;
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
-        broker.ensure_stream(topology::dlq_stream(&subjects)).await?;
-        let timers = topology::timer_stream(&subjects);
+        let r = self.replicas;
+        broker.ensure_stream(topology::dlq_stream(&subjects).with_replicas(r)).await?;
+        let timers = topology::timer_stream(&subjects).with_replicas(r);
         let timers_name = timers.name.clone();
         broker.ensure_stream(timers).await?;
         broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
         if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
-            broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None)).await?;
+            broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None).with_replicas(r)).await?;
         }
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;
@@ -343,18 +369,26 @@ impl Job {
                 StreamKind::Ordered { .. } => topology::ordered_stream(&subjects, &name, None),
                 StreamKind::Queue => topology::queue_stream(&subjects, &name),
             };
-            broker.ensure_stream(spec).await?;
+            broker.ensure_stream(spec.with_replicas(r)).await?;
         }
         for t in &self.tasks {
             let name = StreamName::new(t.stream)?;
             let c = &t.config;
             match t.kind {
                 StreamKind::Ordered { partitions } => {
-                    topology::provision_ordered(&broker, &subjects, &name, partitions, c.ack_wait, c.window).await?;
+                    topology::provision_ordered(&broker, &subjects, &name, partitions, c.ack_wait, c.window, r).await?;
                 }
                 StreamKind::Queue => {
-                    topology::provision_queue(&broker, &subjects, &name, c.ack_wait, c.retry.max_attempts + 1, 10_000)
-                        .await?;
+                    topology::provision_queue(
+                        &broker,
+                        &subjects,
+                        &name,
+                        c.ack_wait,
+                        c.retry.max_attempts + 1,
+                        10_000,
+                        r,
+                    )
+                    .await?;
                 }
             }
         }
@@ -372,7 +406,8 @@ impl Job {
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
         let mut slots = Vec::new();
         let run_id = self.run_id.clone().unwrap_or_else(|| MessageId::new_v7().to_string());
-        let env = Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id));
+        let env =
+            Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id).with_replicas(self.replicas));
         for t in &self.tasks {
             let name = StreamName::new(t.stream)?;
             let js_stream = subjects.stream_name(&name);
@@ -449,7 +484,7 @@ impl Job {
         let subjects = Subjects::new(JobName::new(this.name.clone())?);
         let b = Buckets::new(&subjects);
         for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
-            match broker.ensure_kv(topology::bucket(&subjects, bucket, Some(ttl))).await {
+            match broker.ensure_kv(topology::bucket(&subjects, bucket, Some(ttl)).with_replicas(this.replicas)).await {
                 Ok(()) => {}
                 Err(BrokerError::ConfigMismatch { field, existing, .. }) if field == "max_age" => {
                     return Err(JobError::Misconfigured {
@@ -466,7 +501,7 @@ impl Job {
                 Err(e) => return Err(e.into()),
             }
         }
-        broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None)).await?;
+        broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None).with_replicas(this.replicas)).await?;
 
         let record = NodeRecord {
             node: node.to_owned(),
@@ -542,7 +577,9 @@ impl Job {
             None => cluster::PauseRecord::default(),
         };
 
-        let env = Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id.clone()));
+        let env = Rc::new(
+            TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id.clone()).with_replicas(self.replicas),
+        );
         let mut slots = Vec::new();
         let mut queue_slots = Vec::new();
         let mut ordered = Vec::new();

@@ -27,7 +27,7 @@ pub mod timer_service;
 
 pub use config::{FailurePolicy, TaskConfig};
 pub use flotilla_transport::SharedBroker;
-pub use job::{Job, JobError, JobStopper, RunningJob};
+pub use job::{Job, JobError, JobStopper, MAX_REPLICAS, RunningJob};
 pub use retry::RetryPolicy;
 pub use state::ShutdownScope;
 pub use stream::{StreamDef, StreamKind};

@@ -191,6 +191,8 @@ pub struct TaskEnv {
     pub subjects: Subjects,
     /// The current run id (drain markers carry it).
     pub run_id: String,
+    /// Replicas of the output streams this environment creates.
+    replicas: usize,
     /// Output streams known to exist, with the subject (the partition's, less its
     /// number, for ordered streams) outputs to them go to.
     provisioned: RefCell<FxHashMap<&'static str, Rc<str>>>,
@@ -209,9 +211,17 @@ impl TaskEnv {
             codec,
             subjects,
             run_id: run_id.into(),
+            replicas: 1,
             provisioned: RefCell::default(),
             suspect_lane: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
         }
+    }
+
+    /// The same environment creating output streams with `replicas` copies.
+    #[must_use]
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// Makes sure the stream behind `def` exists (once per node), and returns the
@@ -242,7 +252,7 @@ impl TaskEnv {
             StreamKind::Queue => topology::queue_stream(&self.subjects, &name),
         };
         self.broker
-            .ensure_stream(spec)
+            .ensure_stream(spec.with_replicas(self.replicas))
             .await
             .map_err(|e| TaskError::fatal(format!("output stream {}: {e}", def.name())))?;
         let base: Rc<str> = self.subjects.queue(&name).into();

@@ -9,6 +9,7 @@
 //! node_id = "node-a"
 //! log = "info,flotilla_actors=debug"
 //! log_json = false
+//! replicas = 3                   # copies of every stream and bucket (a NATS cluster of 3+)
 //!
 //! [connect]
 //! user = "flotilla"
@@ -167,6 +168,8 @@ pub struct NodeConfig {
     pub log: Option<String>,
     /// Log as JSON lines.
     pub log_json: Option<bool>,
+    /// Replicas of every stream and KV bucket the job creates (1 to 5; default 1).
+    pub replicas: Option<usize>,
     /// NATS connection settings.
     #[serde(default)]
     pub connect: ConnectConfig,
@@ -211,6 +214,7 @@ impl NodeConfig {
             run_id: self.run_id.or(lower.run_id),
             log: self.log.or(lower.log),
             log_json: self.log_json.or(lower.log_json),
+            replicas: self.replicas.or(lower.replicas),
             connect: ConnectConfig {
                 user: c.user.or(l.user),
                 password: c.password.or(l.password),
@@ -316,6 +320,25 @@ impl NodeConfig {
         Ok(c)
     }
 
+    /// The replica count for the job's streams and buckets (default 1).
+    ///
+    /// # Errors
+    /// [`ConfigError::Value`] outside 1 to 5.
+    pub fn replicas(&self) -> Result<usize, ConfigError> {
+        match self.replicas {
+            None => Ok(1),
+            Some(n) if (1..=flotilla_actors::MAX_REPLICAS).contains(&n) => Ok(n),
+            Some(n) => Err(ConfigError::Value {
+                setting: "replicas (--replicas, FLOTILLA_REPLICAS)".into(),
+                problem: format!(
+                    "{n} is out of range: give 1 to {} (JetStream keeps at most {} copies; use at most as many as your NATS cluster has servers)",
+                    flotilla_actors::MAX_REPLICAS,
+                    flotilla_actors::MAX_REPLICAS
+                ),
+            }),
+        }
+    }
+
     /// The configuration as TOML, secrets redacted.
     pub fn to_toml_redacted(&self) -> String {
         let mut shown = self.clone();
@@ -398,6 +421,13 @@ request_timeout = "750ms"
         let c = NodeConfig::from_toml("[cluster]\nlease_ttl = \"3s\"\nmax_moves = 4\n").expect("parses");
         let k = c.cluster_config().expect("valid");
         assert_eq!((k.lease_ttl, k.node_ttl, k.max_moves), (Duration::from_secs(3), Duration::from_secs(3), 4));
+        let c = NodeConfig::from_toml("replicas = 3\n").expect("parses");
+        assert_eq!(c.replicas().expect("valid"), 3);
+        assert_eq!(NodeConfig::default().replicas().expect("default"), 1);
+        let c = NodeConfig::from_toml("replicas = 7\n").expect("parses");
+        assert!(c.replicas().expect_err("too many").to_string().contains("1 to 5"));
+        let c = NodeConfig::from_toml("replicas = 0\n").expect("parses");
+        assert!(c.replicas().expect_err("none").to_string().contains("--replicas"));
         let c = NodeConfig::from_toml("[cluster]\nlease_ttl = \"100ms\"\n").expect("parses");
         assert!(c.cluster_config().expect_err("too short").to_string().contains("lease_ttl"));
         let err = NodeConfig::from_toml("[cluster]\nlease = \"3s\"\n").expect_err("unknown key");

@@ -66,6 +66,10 @@ pub struct NodeArgs {
     /// Partition lease TTL: a dead node's partitions move within about this long (default 6s).
     #[arg(long, env = "FLOTILLA_LEASE_TTL", global = true, value_parser = crate::config::parse_duration)]
     pub lease_ttl: Option<std::time::Duration>,
+    /// Copies of every stream and KV bucket the job creates, 1 to 5 (default 1); use 3
+    /// on a NATS cluster of 3 or more servers.
+    #[arg(long, env = "FLOTILLA_REPLICAS", global = true)]
+    pub replicas: Option<usize>,
 }
 
 impl NodeArgs {
@@ -77,6 +81,7 @@ impl NodeArgs {
             run_id: self.run_id.clone(),
             log: self.log.clone(),
             log_json: self.log_json,
+            replicas: self.replicas,
             connect: ConnectConfig {
                 user: self.nats_user.clone(),
                 password: self.nats_password.clone(),
@@ -225,6 +230,7 @@ where
             Some(id) => job.run_id(id.clone()),
             None => job,
         };
+        let job = job.replicas(config.replicas()?);
         let name = job.name().to_owned();
         let running = if embedded {
             // One process holds the whole embedded broker: no cluster to join.

@@ -40,6 +40,7 @@ macro_rules! conformance {
 }
 
 conformance!(
+    safe_differences_are_kept,
     publish_claim_ack,
     claim_never_exceeds_max,
     claim_waits_for_the_first_message,
@@ -658,6 +659,25 @@ mod cases {
         b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(15)))).await.expect("kv");
         let err = b.ensure_kv(KvSpec::new("NODES", Some(Duration::from_secs(60)))).await.expect_err("kv ttl differs");
         assert!(err.to_string().contains("KV bucket NODES"), "{err}");
+    }
+
+    /// Limits an operator added (an age, a count, a size) change how long data is
+    /// kept, not what Flotilla reads: such a stream or bucket is accepted as it is.
+    pub async fn safe_differences_are_kept(b: SharedBroker) {
+        let mut limited = queue_spec();
+        limited.max_age = Some(Duration::from_secs(3600));
+        limited.max_msgs = Some(100_000);
+        limited.max_bytes = Some(64 * 1024 * 1024);
+        b.ensure_stream(limited).await.expect("stream with an operator's limits");
+        publish(&b, "q.a", "kept").await;
+        let state = b.ensure_stream(queue_spec()).await.expect("the limits are safe to keep");
+        assert_eq!(state.messages, 1, "nothing was changed or lost");
+        b.ensure_kv(KvSpec::new("CONTROL", Some(Duration::from_secs(86_400)))).await.expect("bucket with a max age");
+        b.ensure_kv(KvSpec::new("CONTROL", None)).await.expect("a max age Flotilla does not set is kept");
+        // A TTL Flotilla sets (leases, liveness) must still match.
+        b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(6)))).await.expect("leases");
+        let err = b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(9)))).await.expect_err("TTL differs");
+        assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "max_age"), "{err}");
     }
 
     pub async fn missing_objects_are_typed_errors(b: SharedBroker) {

@@ -81,7 +81,9 @@ async fn a_foreign_producer_following_the_document_is_decoded() {
     let broker = JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared();
     let subjects = Subjects::new(JobName::new("relay").expect("job"));
     let input = StreamName::new("relay-in").expect("stream");
-    topology::provision_ordered(&broker, &subjects, &input, 8, Duration::from_secs(30), 64).await.expect("provision");
+    topology::provision_ordered(&broker, &subjects, &input, 8, Duration::from_secs(30), 64, 1)
+        .await
+        .expect("provision");
 
     // The document's worked example, byte for byte.
     let key = "42";

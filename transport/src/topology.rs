@@ -84,7 +84,8 @@ pub fn bucket(subjects: &Subjects, name: &str, ttl: Option<Duration>) -> KvSpec 
     KvSpec::new(subjects.bucket_name(name), ttl)
 }
 
-/// Provisions an ordered input: its stream and one consumer per partition.
+/// Provisions an ordered input: its stream (with `replicas` copies) and one consumer
+/// per partition.
 ///
 /// # Errors
 /// Whatever `ensure_stream` / `ensure_consumer` return, e.g. a config mismatch.
@@ -95,8 +96,9 @@ pub async fn provision_ordered(
     partitions: u32,
     ack_wait: Duration,
     window: u32,
+    replicas: usize,
 ) -> BrokerResult<()> {
-    let spec = ordered_stream(subjects, stream, None);
+    let spec = ordered_stream(subjects, stream, None).with_replicas(replicas);
     let name = spec.name.clone();
     broker.ensure_stream(spec).await?;
     for p in 0..partitions {
@@ -148,7 +150,8 @@ pub async fn take_over_partition(
     Ok(Resumption { state, orphaned_up_to })
 }
 
-/// Provisions a queue input: its stream and its shared consumer.
+/// Provisions a queue input: its stream (with `replicas` copies) and its shared
+/// consumer.
 ///
 /// # Errors
 /// Whatever `ensure_stream` / `ensure_consumer` return, e.g. a config mismatch.
@@ -159,8 +162,9 @@ pub async fn provision_queue(
     ack_wait: Duration,
     max_deliver: u32,
     max_ack_pending: u32,
+    replicas: usize,
 ) -> BrokerResult<()> {
-    let spec = queue_stream(subjects, stream);
+    let spec = queue_stream(subjects, stream).with_replicas(replicas);
     let name = spec.name.clone();
     broker.ensure_stream(spec).await?;
     broker.ensure_consumer(&name, queue_consumer(stream, ack_wait, max_deliver, max_ack_pending)).await?;

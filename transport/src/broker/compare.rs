@@ -16,9 +16,75 @@ fn field<T: Debug + PartialEq>(object: &str, name: &str, existing: &T, wanted: &
     }
 }
 
-/// `Ok` when `existing` is `wanted` in every field Flotilla sets.
-pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<(), BrokerError> {
+/// A difference between an existing stream or bucket and what Flotilla asks for that
+/// is safe to keep: an operator's choice (more replicas, an age or size limit) that
+/// changes how long or where data is kept, not what Flotilla reads or how it acks.
+/// Kept as it is, with a logged note.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tolerated {
+    /// `stream NAME` or `KV bucket NAME`.
+    pub object: String,
+    /// The setting that differs.
+    pub field: &'static str,
+    /// Its value on the server.
+    pub existing: String,
+    /// What Flotilla would have created.
+    pub wanted: String,
+}
+
+impl Tolerated {
+    /// Fewer replicas than asked for: the data is less safe than the job was told.
+    pub fn is_fewer_replicas(&self) -> bool {
+        self.field == "replicas"
+            && matches!((self.existing.parse::<usize>(), self.wanted.parse::<usize>()), (Ok(e), Ok(w)) if e < w)
+    }
+
+    /// Logs the note: a warning when the object is less replicated than asked, else info.
+    pub fn log(&self) {
+        let Self { object, field, existing, wanted } = self;
+        if self.is_fewer_replicas() {
+            tracing::warn!(
+                %object, field, %existing, %wanted,
+                "kept as it is, with fewer replicas than asked: raise them with `nats stream edit --replicas {wanted}`"
+            );
+        } else {
+            tracing::info!(%object, field, %existing, %wanted, "kept the operator's setting (safe to differ)");
+        }
+    }
+}
+
+/// A limit Flotilla does not set (`None`) may have been set by an operator; one it sets
+/// must match.
+fn limit<T: Debug + PartialEq>(
+    object: &str,
+    name: &'static str,
+    existing: &Option<T>,
+    wanted: &Option<T>,
+    tolerated: &mut Vec<Tolerated>,
+) -> Result<(), BrokerError> {
+    match (existing, wanted) {
+        (Some(e), None) => {
+            tolerated.push(Tolerated {
+                object: object.to_owned(),
+                field: name,
+                existing: format!("{e:?}"),
+                wanted: "none".into(),
+            });
+            Ok(())
+        }
+        _ => field(object, name, existing, wanted),
+    }
+}
+
+/// `Ok` when `existing` is `wanted` in every field that decides what Flotilla reads and
+/// how it acknowledges; with the differences that are safe to keep (replicas, and
+/// age, count and size limits Flotilla does not set itself).
+///
+/// # Errors
+/// [`BrokerError::ConfigMismatch`] naming the first field that must not differ.
+pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<Tolerated>, BrokerError> {
     let object = format!("stream {}", wanted.name);
+    let mut tolerated = Vec::new();
     let mut a = existing.subjects.clone();
     let mut b = wanted.subjects.clone();
     a.sort();
@@ -26,12 +92,25 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<(), B
     field(&object, "subjects", &a, &b)?;
     field(&object, "retention", &existing.retention, &wanted.retention)?;
     field(&object, "storage", &existing.storage, &wanted.storage)?;
-    field(&object, "max_age", &existing.max_age, &wanted.max_age)?;
+    limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
     field(&object, "max_msgs_per_subject", &existing.max_msgs_per_subject, &wanted.max_msgs_per_subject)?;
-    field(&object, "max_msgs", &existing.max_msgs, &wanted.max_msgs)?;
+    limit(&object, "max_msgs", &existing.max_msgs, &wanted.max_msgs, &mut tolerated)?;
+    limit(&object, "max_bytes", &existing.max_bytes, &wanted.max_bytes, &mut tolerated)?;
     field(&object, "discard", &existing.discard, &wanted.discard)?;
-    field(&object, "duplicate_window", &existing.duplicate_window, &wanted.duplicate_window)?;
-    field(&object, "replicas", &existing.replicas, &wanted.replicas)
+    // A KV bucket's window follows its max age (the server refuses a longer one), so
+    // an operator's max age on a bucket moves it too.
+    if !wanted.name.starts_with("KV_") {
+        field(&object, "duplicate_window", &existing.duplicate_window, &wanted.duplicate_window)?;
+    }
+    if existing.replicas != wanted.replicas {
+        tolerated.push(Tolerated {
+            object,
+            field: "replicas",
+            existing: existing.replicas.to_string(),
+            wanted: wanted.replicas.to_string(),
+        });
+    }
+    Ok(tolerated)
 }
 
 /// `Ok` when `existing` is `wanted` in every field Flotilla sets.
@@ -52,12 +131,27 @@ pub(crate) fn consumer_fixed(stream: &str, existing: &ConsumerSpec, wanted: &Con
     field(&object, "ack_policy", &existing.ack_policy, &wanted.ack_policy)
 }
 
-/// `Ok` when the bucket's history and expiry are the wanted ones.
-pub(crate) fn kv(existing: &KvSpec, wanted: &KvSpec) -> Result<(), BrokerError> {
+/// `Ok` when the bucket's history and storage are the wanted ones, and its expiry where
+/// Flotilla sets one (a TTL that leases and liveness depend on); with the differences
+/// that are safe to keep.
+///
+/// # Errors
+/// [`BrokerError::ConfigMismatch`] naming the first field that must not differ.
+pub(crate) fn kv(existing: &KvSpec, wanted: &KvSpec) -> Result<Vec<Tolerated>, BrokerError> {
     let object = format!("KV bucket {}", wanted.bucket);
+    let mut tolerated = Vec::new();
     field(&object, "history", &existing.history, &wanted.history)?;
-    field(&object, "max_age", &existing.max_age, &wanted.max_age)?;
-    field(&object, "storage", &existing.storage, &wanted.storage)
+    limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
+    field(&object, "storage", &existing.storage, &wanted.storage)?;
+    if existing.replicas != wanted.replicas {
+        tolerated.push(Tolerated {
+            object,
+            field: "replicas",
+            existing: existing.replicas.to_string(),
+            wanted: wanted.replicas.to_string(),
+        });
+    }
+    Ok(tolerated)
 }
 
 /// The stream that backs a KV bucket, as NATS clients create it.
@@ -70,6 +164,7 @@ pub(crate) fn kv_stream(spec: &KvSpec) -> StreamSpec {
     s.max_age = spec.max_age;
     s.max_msgs_per_subject = Some(u64::from(spec.history.max(1)));
     s.discard = Discard::New;
+    s.replicas = spec.replicas;
     // The server refuses a duplicate window longer than max_age.
     s.duplicate_window = match spec.max_age {
         Some(age) if age < Duration::from_secs(120) => age,
@@ -152,6 +247,37 @@ mod tests {
         assert!(subjects_overlap("a.>", "a.*.c"));
         assert!(!subjects_overlap("a.b", "a.c"));
         assert!(!subjects_overlap("flotilla.j.s.*", "flotilla.j._dlq.>"));
+    }
+
+    #[test]
+    fn replicas_and_limits_an_operator_set_are_tolerated_the_rest_is_not() {
+        let wanted = StreamSpec::new("S", vec!["s.*".into()], super::super::Retention::Limits).with_replicas(3);
+        let mut existing = wanted.clone();
+        existing.replicas = 1;
+        existing.max_age = Some(std::time::Duration::from_secs(60));
+        existing.max_bytes = Some(1 << 20);
+        let notes = stream(&existing, &wanted).expect("safe differences");
+        let fields: Vec<&str> = notes.iter().map(|n| n.field).collect();
+        assert_eq!(fields, ["max_age", "max_bytes", "replicas"]);
+        assert!(notes[2].is_fewer_replicas(), "R1 where R3 was asked is less safe: {notes:?}");
+        let more = StreamSpec { replicas: 5, ..wanted.clone() };
+        let notes = stream(&more, &wanted).expect("more replicas");
+        assert!(!notes[0].is_fewer_replicas());
+        // What Flotilla sets itself must match.
+        let mut aged = wanted.clone();
+        aged.max_age = Some(std::time::Duration::from_secs(10));
+        let mut other_age = wanted.clone();
+        other_age.max_age = Some(std::time::Duration::from_secs(20));
+        assert!(stream(&other_age, &aged).is_err(), "a max age Flotilla sets is compared");
+        let mut resubjected = wanted.clone();
+        resubjected.subjects = vec!["t.*".into()];
+        assert!(stream(&resubjected, &wanted).is_err());
+        let bucket = KvSpec::new("LEASES", Some(std::time::Duration::from_secs(6)));
+        let other_ttl = KvSpec::new("LEASES", Some(std::time::Duration::from_secs(9)));
+        assert!(kv(&other_ttl, &bucket).is_err(), "a lease TTL is never tolerated");
+        let control = KvSpec::new("CONTROL", None);
+        let aged_control = KvSpec::new("CONTROL", Some(std::time::Duration::from_secs(86_400))).with_replicas(3);
+        assert_eq!(kv(&aged_control, &control).expect("tolerated").len(), 2);
     }
 
     #[test]

@@ -214,6 +214,9 @@ pub struct StreamSpec {
     pub max_msgs_per_subject: Option<u64>,
     /// Maximum messages in the stream; `None` for no limit.
     pub max_msgs: Option<u64>,
+    /// Maximum bytes in the stream; `None` for no limit (Flotilla sets none; an
+    /// operator may).
+    pub max_bytes: Option<u64>,
     /// What happens when a limit is reached.
     pub discard: Discard,
     /// The window in which a repeated `Nats-Msg-Id` is dropped.
@@ -234,10 +237,18 @@ impl StreamSpec {
             max_age: None,
             max_msgs_per_subject: None,
             max_msgs: None,
+            max_bytes: None,
             discard: Discard::Old,
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
         }
+    }
+
+    /// The same stream with `replicas` copies (1 to 5; a clustered server places them).
+    #[must_use]
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
     }
 }
 
@@ -480,12 +491,21 @@ pub struct KvSpec {
     pub max_age: Option<Duration>,
     /// Storage.
     pub storage: Storage,
+    /// Number of replicas of the bucket's stream (1 on a single server).
+    pub replicas: usize,
 }
 
 impl KvSpec {
-    /// A file-backed bucket with history 1.
+    /// A file-backed bucket with history 1 and one replica.
     pub fn new(bucket: impl Into<String>, max_age: Option<Duration>) -> Self {
-        Self { bucket: bucket.into(), history: 1, max_age, storage: Storage::File }
+        Self { bucket: bucket.into(), history: 1, max_age, storage: Storage::File, replicas: 1 }
+    }
+
+    /// The same bucket with `replicas` copies.
+    #[must_use]
+    pub fn with_replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
     }
 }
 

@@ -239,7 +239,10 @@ impl Broker for EmbeddedBroker {
     fn ensure_stream(&self, spec: StreamSpec) -> BoxFuture<BrokerResult<StreamState>> {
         let mut st = self.inner.lock();
         if let Some(existing) = st.streams.get(&spec.name) {
-            return ready(compare::stream(&existing.spec, &spec).map(|()| existing.state()));
+            return ready(compare::stream(&existing.spec, &spec).map(|tolerated| {
+                tolerated.iter().for_each(compare::Tolerated::log);
+                existing.state()
+            }));
         }
         for other in st.streams.values() {
             for a in &other.spec.subjects {
@@ -430,8 +433,11 @@ impl Broker for EmbeddedBroker {
                 history: existing.max_msgs_per_subject.unwrap_or(1).min(64) as u8,
                 max_age: existing.max_age,
                 storage: existing.storage,
+                replicas: existing.replicas,
             };
-            return ready(compare::kv(&found, &spec));
+            return ready(
+                compare::kv(&found, &spec).map(|tolerated| tolerated.iter().for_each(compare::Tolerated::log)),
+            );
         }
         let fut = self.ensure_stream(stream);
         Box::pin(async move { fut.await.map(|_| ()) })

@@ -265,6 +265,7 @@ fn to_stream_config(spec: &StreamSpec) -> stream::Config {
         max_age: spec.max_age.unwrap_or_default(),
         max_messages_per_subject: spec.max_msgs_per_subject.map_or(-1, |n| n as i64),
         max_messages: spec.max_msgs.map_or(-1, |n| n as i64),
+        max_bytes: spec.max_bytes.map_or(-1, |n| n as i64),
         discard: match spec.discard {
             Discard::Old => stream::DiscardPolicy::Old,
             Discard::New => stream::DiscardPolicy::New,
@@ -294,6 +295,7 @@ fn from_stream_config(c: &stream::Config) -> StreamSpec {
         max_age: (!c.max_age.is_zero()).then_some(c.max_age),
         max_msgs_per_subject: (c.max_messages_per_subject > 0).then_some(c.max_messages_per_subject as u64),
         max_msgs: (c.max_messages > 0).then_some(c.max_messages as u64),
+        max_bytes: (c.max_bytes > 0).then_some(c.max_bytes as u64),
         discard: match c.discard {
             stream::DiscardPolicy::Old => Discard::Old,
             stream::DiscardPolicy::New => Discard::New,
@@ -543,7 +545,9 @@ impl Inner {
                 Err(e) => return Err(api_error(&op, e, self.request_timeout)),
             },
         };
-        compare::stream(&from_stream_config(&info.config), &spec)?;
+        for note in compare::stream(&from_stream_config(&info.config), &spec)? {
+            note.log();
+        }
         Ok(stream_state(&info))
     }
 
