@@ -187,3 +187,6 @@ mod tests {
         assert_eq!(shrunk.len(), 2, "partitions beyond the count are dropped");
     }
 }
+
+#[cfg(test)]
+mod props;

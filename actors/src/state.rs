@@ -794,3 +794,6 @@ mod tests {
         assert_eq!(expect_process(&mut s).msg, "c");
     }
 }
+
+#[cfg(test)]
+mod props;

@@ -401,3 +401,6 @@ mod tests {
         assert!(!progress_due(t0 + Duration::from_secs(5), t0, ack_wait), "a clock read before the start");
     }
 }
+
+#[cfg(test)]
+mod props;

@@ -1438,3 +1438,6 @@ mod tests {
         assert_eq!(from_stream_config(&to_stream_config(&spec)), spec);
     }
 }
+
+#[cfg(test)]
+mod props;

@@ -14,3 +14,6 @@ pub use ids::MessageId;
 pub use names::{JobName, NAME_RULE, NameError, StreamName};
 pub use partition::{fnv1a64, partition_for};
 pub use subjects::Subjects;
+
+#[cfg(test)]
+mod props;
