@@ -39,6 +39,32 @@ use tracing::info;
 /// The most replicas a JetStream stream can have.
 pub const MAX_REPLICAS: usize = 5;
 
+/// How long a starting node keeps retrying what fails for a passing reason (the
+/// broker unreachable, slow, or electing a leader, as a replicated stream or bucket
+/// does while it is created or a server restarts) before it gives up.
+const STARTUP_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Runs `op` until it succeeds, fails for good, or transient errors have lasted
+/// [`STARTUP_PATIENCE`]; jittered backoff between tries.
+async fn patiently<T, Fut>(what: &str, mut op: impl FnMut() -> Fut) -> Result<T, JobError>
+where
+    Fut: std::future::Future<Output = Result<T, JobError>>,
+{
+    let started = std::time::Instant::now();
+    let mut tries = 0;
+    loop {
+        match op().await {
+            Err(JobError::Broker(e)) if e.is_transient() && started.elapsed() < STARTUP_PATIENCE => {
+                tries += 1;
+                let wait = flotilla_transport::jetstream::reconnect_delay(tries);
+                tracing::warn!(error = %e, retry_in = ?wait, "cannot {what} yet; the broker is not ready, retrying");
+                tokio::time::sleep(wait).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Why a job could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -472,7 +498,7 @@ impl Job {
         if node.is_empty() || !node.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
             return Err(JobError::NodeIdInvalid(node.to_owned()));
         }
-        self.provision(broker.clone()).await?;
+        patiently("provision the job's streams", || self.provision(broker.clone())).await?;
         // A claim sent just before a partition's fence closes must end on the server
         // before the lease can expire (at a third of the TTL after the fence), or it
         // could take messages from the next owner's consumer.
@@ -484,9 +510,12 @@ impl Job {
         let subjects = Subjects::new(JobName::new(this.name.clone())?);
         let b = Buckets::new(&subjects);
         for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
-            match broker.ensure_kv(topology::bucket(&subjects, bucket, Some(ttl)).with_replicas(this.replicas)).await {
+            let spec = topology::bucket(&subjects, bucket, Some(ttl)).with_replicas(this.replicas);
+            match patiently("create the cluster's buckets", || async { Ok(broker.ensure_kv(spec.clone()).await?) })
+                .await
+            {
                 Ok(()) => {}
-                Err(BrokerError::ConfigMismatch { field, existing, .. }) if field == "max_age" => {
+                Err(JobError::Broker(BrokerError::ConfigMismatch { field, existing, .. })) if field == "max_age" => {
                     return Err(JobError::Misconfigured {
                         job: this.name.clone(),
                         problem: format!(
@@ -498,10 +527,11 @@ impl Job {
                         ),
                     });
                 }
-                Err(e) => return Err(e.into()),
+                Err(e) => return Err(e),
             }
         }
-        broker.ensure_kv(topology::bucket(&subjects, cluster::CONTROL, None).with_replicas(this.replicas)).await?;
+        let control = topology::bucket(&subjects, cluster::CONTROL, None).with_replicas(this.replicas);
+        patiently("create the cluster's buckets", || async { Ok(broker.ensure_kv(control.clone()).await?) }).await?;
 
         let record = NodeRecord {
             node: node.to_owned(),
@@ -512,9 +542,20 @@ impl Job {
         };
         let incarnation = record.incarnation.clone();
         let node_value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-        let node_revision = match broker.kv_create(&b.nodes, node, node_value.clone()).await {
+        let register = || async {
+            match broker.kv_create(&b.nodes, node, node_value.clone()).await {
+                // A create whose reply was lost may have been stored: ours, if it
+                // holds this incarnation.
+                Err(BrokerError::KvKeyExists { .. }) => match broker.kv_get(&b.nodes, node).await? {
+                    Some(entry) if entry.value == node_value => Ok(entry.revision),
+                    _ => Err(BrokerError::KvKeyExists { bucket: b.nodes.clone(), key: node.to_owned() }.into()),
+                },
+                other => Ok(other?),
+            }
+        };
+        let node_revision = match patiently("register the node", register).await {
             Ok(rev) => rev,
-            Err(BrokerError::KvKeyExists { .. }) => {
+            Err(JobError::Broker(BrokerError::KvKeyExists { .. })) => {
                 // Restart in place: the id is this node's again if its holder is gone.
                 let beat = config.lease_ttl.min(config.node_ttl) / 4;
                 match take_over_node_id(&broker, &b.nodes, &record, node_value.clone(), beat).await? {
@@ -529,7 +570,7 @@ impl Job {
                     }
                 }
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         };
         match this.join(broker.clone(), &subjects, &b, (node, incarnation), node_value, node_revision, config).await {
             Ok(running) => Ok(running),
@@ -565,17 +606,21 @@ impl Job {
                 })
                 .collect(),
         };
-        let run_id = current_run(&broker, b, &topology, self.run_id.clone()).await?;
-        broker.kv_put(&b.control, keys::TOPOLOGY, json(&topology)).await?;
-        // A stop request for an earlier process with this id is not for this one.
-        if broker.kv_get(&b.control, &keys::stop(node)).await?.is_some() {
-            broker.kv_delete(&b.control, &keys::stop(node), None).await?;
-        }
-        let shutdown_seen = broker.kv_get(&b.control, keys::SHUTDOWN).await?.map_or(0, |e| e.revision);
-        let paused: cluster::PauseRecord = match broker.kv_get(&b.control, keys::PAUSED).await? {
-            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
-            None => cluster::PauseRecord::default(),
+        let read_control_state = || async {
+            let run_id = current_run(&broker, b, &topology, self.run_id.clone()).await?;
+            broker.kv_put(&b.control, keys::TOPOLOGY, json(&topology)).await?;
+            // A stop request for an earlier process with this id is not for this one.
+            if broker.kv_get(&b.control, &keys::stop(node)).await?.is_some() {
+                broker.kv_delete(&b.control, &keys::stop(node), None).await?;
+            }
+            let shutdown_seen = broker.kv_get(&b.control, keys::SHUTDOWN).await?.map_or(0, |e| e.revision);
+            let paused: cluster::PauseRecord = match broker.kv_get(&b.control, keys::PAUSED).await? {
+                Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+                None => cluster::PauseRecord::default(),
+            };
+            Ok((run_id, shutdown_seen, paused))
         };
+        let (run_id, shutdown_seen, paused) = patiently("read the cluster's desired state", read_control_state).await?;
 
         let env = Rc::new(
             TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id.clone()).with_replicas(self.replicas),

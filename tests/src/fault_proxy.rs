@@ -7,8 +7,12 @@
 //! tokio) use it alike. [`FaultProxy::cut_all`] shuts both sockets of every live
 //! connection down at once — mid-message, with no protocol goodbye — as a network fault
 //! or a middlebox dropping state would; the proxy keeps accepting, so clients that
-//! reconnect get through again. Dropping the proxy stops the thread and closes
-//! everything.
+//! reconnect get through again. [`FaultProxy::blackhole`] models the other network
+//! fault, the silent one: from then on no byte moves in either direction and new
+//! connections get no answer, but nothing is closed — as when a firewall starts
+//! dropping packets, TCP keeps retransmitting and the peers notice only through their
+//! own timeouts. [`FaultProxy::heal`] lets the held bytes through, in order.
+//! Dropping the proxy stops the thread and closes everything.
 //!
 //! ```no_run
 //! # let server = flotilla_tests::NatsServer::start();
@@ -19,11 +23,12 @@
 
 use std::collections::HashMap;
 use std::net::{Shutdown, SocketAddr, TcpListener as StdListener, TcpStream as StdStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::oneshot;
+use tokio::sync::{Notify, oneshot};
 
 /// How long the proxy waits for the upstream to accept a connection.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -34,9 +39,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 struct Live {
     next_id: AtomicU64,
     conns: Mutex<HashMap<u64, [StdStream; 2]>>,
+    /// Blackholed: bytes are held, not forwarded, until healed.
+    held: AtomicBool,
+    /// Wakes held relays when the proxy heals.
+    healed: Notify,
 }
 
 impl Live {
+    /// Returns once traffic may flow.
+    async fn flowing(&self) {
+        loop {
+            let healed = self.healed.notified();
+            if !self.held.load(Ordering::SeqCst) {
+                return;
+            }
+            healed.await;
+        }
+    }
+
     fn conns(&self) -> MutexGuard<'_, HashMap<u64, [StdStream; 2]>> {
         // A panic while holding the lock leaves only a map of sockets behind: go on.
         self.conns.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -105,6 +125,18 @@ impl FaultProxy {
         cut.len()
     }
 
+    /// Starts silently dropping traffic: no byte moves either way and new connections
+    /// get no answer, but nothing is closed (see the [module docs](self)).
+    pub fn blackhole(&self) {
+        self.live.held.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a [`blackhole`](Self::blackhole): held bytes go through in order.
+    pub fn heal(&self) {
+        self.live.held.store(false, Ordering::SeqCst);
+        self.live.healed.notify_waiters();
+    }
+
     /// How many proxied connections are live now.
     pub fn connections(&self) -> usize {
         self.live.conns().len()
@@ -140,8 +172,10 @@ async fn accept_loop(listener: TcpListener, upstream: SocketAddr, live: Arc<Live
 
 /// Connects to `upstream` and relays between it and `client` until either side closes
 /// or the connection is cut.
-async fn relay(mut client: TcpStream, upstream: SocketAddr, live: Arc<Live>) {
-    let mut server = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(upstream)).await {
+async fn relay(client: TcpStream, upstream: SocketAddr, live: Arc<Live>) {
+    // A blackholed network does not answer a new connection either.
+    live.flowing().await;
+    let server = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(upstream)).await {
         Ok(Ok(server)) => server,
         Ok(Err(e)) => {
             tracing::debug!("fault proxy: upstream {upstream} refused: {e}");
@@ -163,10 +197,31 @@ async fn relay(mut client: TcpStream, upstream: SocketAddr, live: Arc<Live>) {
     };
     let id = live.next_id.fetch_add(1, Ordering::Relaxed);
     live.conns().insert(id, handles);
-    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut server).await {
-        tracing::debug!("fault proxy: connection {id} ended: {e}");
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    // Either direction ending (closed, cut or failed) ends the connection.
+    tokio::select! {
+        end = pump(&mut client_read, &mut server_write, &live) => tracing::debug!("fault proxy: connection {id} ended: {end:?}"),
+        end = pump(&mut server_read, &mut client_write, &live) => tracing::debug!("fault proxy: connection {id} ended: {end:?}"),
     }
     live.conns().remove(&id);
+}
+
+/// Copies bytes from `from` to `to`, holding them while the proxy is blackholed.
+async fn pump(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    live: &Live,
+) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = from.read(&mut buf).await?;
+        if n == 0 {
+            return to.shutdown().await;
+        }
+        live.flowing().await;
+        to.write_all(&buf[..n]).await?;
+    }
 }
 
 /// A second descriptor for the socket behind `stream`.
@@ -240,5 +295,26 @@ mod tests {
         let addr = proxy.addr();
         drop(proxy);
         assert!(StdStream::connect(addr).is_err(), "the proxy still accepts after drop");
+    }
+
+    #[test]
+    fn a_blackhole_holds_bytes_without_closing_and_heal_lets_them_through_in_order() {
+        let proxy = FaultProxy::start(echo_server());
+        let mut conn = echo_through(&proxy, b"before");
+        proxy.blackhole();
+        conn.set_read_timeout(Some(Duration::from_millis(500))).expect("timeout");
+        conn.write_all(b"held-1").expect("write");
+        conn.write_all(b"held-2").expect("write");
+        let mut buf = [0u8; 16];
+        match conn.read(&mut buf) {
+            Err(e) => assert!(matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut), "{e}"),
+            Ok(n) => panic!("{n} bytes came through a blackhole"),
+        }
+        assert_eq!(proxy.connections(), 1, "a blackhole closes nothing");
+        proxy.heal();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let mut back = [0u8; 12];
+        conn.read_exact(&mut back).expect("held bytes arrive after heal");
+        assert_eq!(&back, b"held-1held-2");
     }
 }

@@ -175,6 +175,15 @@ impl NatsServer {
         self.child = Some(child);
     }
 
+    /// A monitoring endpoint's body (`/jsz?leader-only=true`, `/routez`, …), when the
+    /// server answers 200.
+    pub fn monitor(&self, path: &str) -> Option<String> {
+        match http_get(self.http_port, path) {
+            Some((200, text)) => text.split_once("\r\n\r\n").map(|(_, body)| body.to_owned()),
+            _ => None,
+        }
+    }
+
     /// Blocks until `/healthz` answers 200 (JetStream ready).
     ///
     /// # Panics
@@ -265,6 +274,9 @@ impl Drop for NatsServer {
 pub struct NatsCluster {
     /// The servers, in start order.
     pub servers: Vec<NatsServer>,
+    /// With [`start_with_route_proxies`](Self::start_with_route_proxies): the proxy each
+    /// route from server `.0` to server `.1` goes through.
+    routes: Vec<(usize, usize, fault_proxy::FaultProxy)>,
     _dir: tempfile::TempDir,
 }
 
@@ -301,11 +313,84 @@ impl NatsCluster {
                 )
             })
             .collect::<Vec<_>>();
-        let mut cluster = Self { servers, _dir: dir };
+        let mut cluster = Self { servers, routes: Vec::new(), _dir: dir };
         for s in &mut cluster.servers {
             s.wait_healthy();
         }
         cluster
+    }
+
+    /// Starts a 3-server cluster whose routes all go through fault proxies the test
+    /// owns, one per direction and pair, so [`isolate`](Self::isolate) can cut one
+    /// server off from its peers (its clients still reach it) and
+    /// [`heal`](Self::heal) can join it again. Servers ping their routes every second
+    /// and give a route up after two missed pings, so a cut is noticed in about 3 s.
+    /// Each server advertises an address nobody listens on, so servers never route
+    /// to each other directly around the proxies.
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`].
+    pub fn start_with_route_proxies() -> Self {
+        let dir = tempfile::Builder::new().prefix("flotilla-cluster-").tempdir().expect("temp dir for cluster");
+        let ports: Vec<(u16, u16, u16)> = (0..3).map(|_| (free_port(), free_port(), free_port())).collect();
+        let mut routes = Vec::new();
+        for from in 0..3 {
+            for to in (0..3).filter(|to| *to != from) {
+                let upstream = ([127, 0, 0, 1], ports[to].2).into();
+                routes.push((from, to, fault_proxy::FaultProxy::start(upstream)));
+            }
+        }
+        let servers = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (port, http, cport))| {
+                let sub = dir.path().join(format!("s{i}"));
+                std::fs::create_dir_all(&sub).expect("server dir");
+                let mine: Vec<String> = routes
+                    .iter()
+                    .filter(|(from, _, _)| *from == i)
+                    .map(|(_, _, p)| format!("\"{}\"", p.url()))
+                    .collect();
+                let conf = sub.join("cluster.conf");
+                std::fs::write(
+                    &conf,
+                    format!(
+                        "server_name: s{i}\nping_interval: \"1s\"\nping_max: 2\nwrite_deadline: \"2s\"\n\
+                         cluster {{\n  name: flotilla-test\n  listen: \"127.0.0.1:{cport}\"\n  \
+                         advertise: \"127.0.0.1:1\"\n  routes: [{}]\n}}\n",
+                        mine.join(", ")
+                    ),
+                )
+                .expect("cluster config");
+                NatsServer::spawn(&sub, *port, *http, vec!["-c".into(), conf.display().to_string()])
+            })
+            .collect::<Vec<_>>();
+        let mut cluster = Self { servers, routes, _dir: dir };
+        for s in &mut cluster.servers {
+            s.wait_healthy();
+        }
+        cluster
+    }
+
+    /// Cuts server `i` off from its peers: every route to or from it is blackholed
+    /// (see [`FaultProxy::blackhole`](fault_proxy::FaultProxy::blackhole)).
+    ///
+    /// # Panics
+    /// When the cluster was not started with route proxies.
+    pub fn isolate(&self, i: usize) {
+        assert!(!self.routes.is_empty(), "start the cluster with start_with_route_proxies to isolate a server");
+        for (from, to, proxy) in &self.routes {
+            if *from == i || *to == i {
+                proxy.blackhole();
+            }
+        }
+    }
+
+    /// Ends every isolation: held route traffic flows again.
+    pub fn heal(&self) {
+        for (_, _, proxy) in &self.routes {
+            proxy.heal();
+        }
     }
 
     /// All client URLs, comma-separated.

@@ -88,7 +88,9 @@ impl RelayCluster {
     /// provisioning command too.
     pub async fn on_with(nats: &str, common: &[&str], ids: &[&str]) -> Self {
         let bin = example_bin("relay");
-        let broker = JetStreamBroker::connect(JetStreamOptions::new(nats)).await.expect("connect").shared();
+        let mut options = JetStreamOptions::new(nats);
+        options.urls = nats.split(',').map(str::to_owned).collect();
+        let broker = JetStreamBroker::connect(options).await.expect("connect").shared();
         // FLOTILLA_TEST_LOGS=DIR keeps the nodes' logs there (a subdirectory per test).
         let dir = match std::env::var_os("FLOTILLA_TEST_LOGS") {
             Some(root) => {
@@ -417,9 +419,26 @@ pub async fn out_id_counts(b: &SharedBroker) -> BTreeMap<u64, u32> {
     counts
 }
 
-/// Outputs stored with an epoch older than the one their partition's lease had when
-/// `newer` was read: (subject, epoch). A fenced writer must store none of these after
-/// the move.
+/// Per partition of relay-out, how many outputs were stored with an older epoch than
+/// one stored before them: a writer whose lease had moved on storing after the new
+/// owner. What it had in flight when it lost the lease may land so; nothing after.
+pub async fn epoch_regressions(b: &SharedBroker) -> BTreeMap<u32, u64> {
+    let mut newest: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut back: BTreeMap<u32, u64> = BTreeMap::new();
+    for (subject, h, _, _) in read_stream(b, OUT).await {
+        let Some(p) = subject.rsplit('.').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let epoch: u64 = h.get(headers::EPOCH).and_then(|e| e.parse().ok()).unwrap_or(0);
+        let top = newest.entry(p).or_default();
+        if epoch < *top {
+            *back.entry(p).or_default() += 1;
+        }
+        *top = (*top).max(epoch);
+    }
+    back
+}
+
+/// Outputs stored after stream sequence `after_seq` with an epoch older than `newer`
+/// gives for their partition: (subject, epoch).
 pub async fn stale_outputs(b: &SharedBroker, after_seq: u64, newer: &BTreeMap<u32, u64>) -> Vec<(String, u64)> {
     read_stream(b, OUT)
         .await

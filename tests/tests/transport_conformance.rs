@@ -41,6 +41,7 @@ macro_rules! conformance {
 
 conformance!(
     safe_differences_are_kept,
+    a_partition_whose_consumer_is_gone_is_taken_over_from_the_start,
     publish_claim_ack,
     claim_never_exceeds_max,
     claim_waits_for_the_first_message,
@@ -678,6 +679,26 @@ mod cases {
         b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(6)))).await.expect("leases");
         let err = b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(9)))).await.expect_err("TTL differs");
         assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "max_age"), "{err}");
+    }
+
+    /// A partition whose consumer is gone (a reset interrupted between delete and
+    /// create) is taken over from the stream's start: nothing skipped.
+    pub async fn a_partition_whose_consumer_is_gone_is_taken_over_from_the_start(b: SharedBroker) {
+        use flotilla_transport::topology;
+        use flotilla_transport::wire::{JobName, StreamName, Subjects};
+        let subjects = Subjects::new(JobName::new("j").expect("job"));
+        let input = StreamName::new("in").expect("stream");
+        topology::provision_ordered(&b, &subjects, &input, 1, Duration::from_secs(30), 16, 1).await.expect("provision");
+        let js = subjects.stream_name(&input);
+        for i in 0..3 {
+            publish(&b, &subjects.ordered_partition(&input, 0), &format!("m{i}")).await;
+        }
+        let spec = topology::partition_consumer(&subjects, &input, 0, Duration::from_secs(30), 16);
+        assert!(b.delete_consumer(&js, &spec.name).await.expect("delete"));
+        let resumed = topology::take_over_partition(&b, &js, spec.clone()).await.expect("taken over");
+        assert_eq!((resumed.state.num_pending, resumed.state.delivered), (3, 0), "{resumed:?}");
+        let got = b.claim(&js, &spec.name, 10, Duration::from_millis(500)).await.expect("claim");
+        assert_eq!(got.iter().map(|d| d.info.stream_seq).collect::<Vec<_>>(), vec![1, 2, 3]);
     }
 
     pub async fn missing_objects_are_typed_errors(b: SharedBroker) {

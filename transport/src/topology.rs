@@ -134,7 +134,24 @@ pub async fn take_over_partition(
     js_stream: &str,
     spec: ConsumerSpec,
 ) -> BrokerResult<Resumption> {
-    let state = broker.consumer_state(js_stream, &spec.name).await?;
+    let state = match broker.consumer_state(js_stream, &spec.name).await {
+        Ok(state) => state,
+        // A reset interrupted between deleting the consumer and creating it again (its
+        // node died, or the create timed out while the cluster elected a leader) leaves
+        // no consumer, and with it no committed position. Nothing may be skipped: start
+        // again from the stream's start. Outputs replayed within the duplicate window
+        // are dropped by their derived ids; older ones are processed again.
+        Err(crate::broker::BrokerError::ConsumerNotFound { .. }) => {
+            tracing::warn!(
+                stream = js_stream,
+                consumer = %spec.name,
+                "the partition's consumer is gone (a reset was interrupted): recreating it from the stream's start, so records after the lost committed position are processed again, none skipped"
+            );
+            let state = broker.ensure_consumer(js_stream, spec).await?;
+            return Ok(Resumption { state, orphaned_up_to: None });
+        }
+        Err(e) => return Err(e),
+    };
     if state.num_ack_pending == 0 && state.delivered <= state.ack_floor {
         return Ok(Resumption { state, orphaned_up_to: None });
     }
