@@ -47,7 +47,8 @@ pub struct Launch {
     pub nats: Option<String>,
     /// A command the node runs under, e.g. `["faketime", "-f", "+90s"]`.
     pub wrapper: Vec<String>,
-    /// Extra flags after the defaults (a later flag wins).
+    /// Extra flags; one given here replaces the cluster's default for it (`--lease-ttl`,
+    /// `--ack-wait`).
     pub args: Vec<String>,
     /// Extra environment variables.
     pub env: Vec<(String, String)>,
@@ -155,8 +156,14 @@ impl RelayCluster {
             c
         };
         let nats = launch.nats.clone().unwrap_or_else(|| self.nats.clone());
-        cmd.args(["--nats", &nats, "--node-id", id, "--lease-ttl", "3s", "--ack-wait", "10s"])
-            .args(&launch.args)
+        cmd.args(["--nats", &nats, "--node-id", id]);
+        // Defaults the launch does not set itself (clap refuses a flag given twice).
+        for (flag, value) in [("--lease-ttl", "3s"), ("--ack-wait", "10s")] {
+            if !launch.args.iter().any(|a| a == flag || a.starts_with(&format!("{flag}="))) {
+                cmd.args([flag, value]);
+            }
+        }
+        cmd.args(&launch.args)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -285,7 +292,7 @@ impl RelayCluster {
             let i = line.find(word).unwrap_or_else(|| panic!("no {word:?} in {line:?}"));
             line[..i].split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{line:?}"))
         };
-        (number_before(" records to relay-out"), number_before(" redelivered records"))
+        (number_before(" records to relay-"), number_before(" redelivered records"))
     }
 
     /// Waits until relay-out holds records `0..n`; panics naming the first missing.
@@ -387,10 +394,23 @@ pub async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers
     let name = format!("check{}", MessageId::new_v7().as_str().replace('-', ""));
     let spec =
         ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer(stream, spec).await.expect("checker consumer");
+    // A replicated stream that lost a server may take a while to place a consumer:
+    // transient errors are retried for up to 30 s.
+    let patience = Instant::now();
+    while let Err(e) = b.ensure_consumer(stream, spec.clone()).await {
+        assert!(e.is_transient() && patience.elapsed() < Duration::from_secs(30), "checker consumer: {e}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let mut out = Vec::new();
     loop {
-        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
+        let got = match b.claim(stream, &name, 1000, Duration::from_millis(300)).await {
+            Ok(got) => got,
+            Err(e) if e.is_transient() && patience.elapsed() < Duration::from_secs(60) => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => panic!("reading {stream}: {e}"),
+        };
         if got.is_empty() {
             break;
         }
@@ -398,7 +418,7 @@ pub async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers
             out.push((d.subject.to_string(), d.headers, d.payload, d.info.stream_seq));
         }
     }
-    b.delete_consumer(stream, &name).await.expect("delete checker");
+    let _ = b.delete_consumer(stream, &name).await;
     out
 }
 
