@@ -401,7 +401,12 @@ pub async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers
         assert!(e.is_transient() && patience.elapsed() < Duration::from_secs(30), "checker consumer: {e}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+    // What the stream holds now is read whole: an empty claim ends the read only
+    // once that much has come (a new consumer of a replicated stream may deliver
+    // nothing for a moment while its leader is elected), or after 30 s.
+    let held = b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0);
     let mut out = Vec::new();
+    let reading = Instant::now();
     loop {
         let got = match b.claim(stream, &name, 1000, Duration::from_millis(300)).await {
             Ok(got) => got,
@@ -412,7 +417,10 @@ pub async fn read_stream(b: &SharedBroker, stream: &str) -> Vec<(String, Headers
             Err(e) => panic!("reading {stream}: {e}"),
         };
         if got.is_empty() {
-            break;
+            if out.len() as u64 >= held || reading.elapsed() > Duration::from_secs(30) {
+                break;
+            }
+            continue;
         }
         for d in got {
             out.push((d.subject.to_string(), d.headers, d.payload, d.info.stream_seq));
