@@ -55,6 +55,18 @@ async fn assert_invariants(c: &RelayCluster, n: u64, moved: &[u32], in_flight: u
     );
 }
 
+/// `status --json`'s line for relay-in's partition `p`, and the whole status.
+fn partition_status(c: &RelayCluster, p: u32) -> (serde_json::Value, serde_json::Value) {
+    let status = c.relay_cmd(&["status", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap_or_default();
+    let part = json["partitions"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|x| x["stream"] == "relay-in" && x["partition"] == p))
+        .cloned()
+        .unwrap_or_default();
+    (part, json)
+}
+
 fn held_by(owners: &BTreeMap<u32, String>, node: &str) -> Vec<u32> {
     owners.iter().filter(|(_, o)| *o == node).map(|(p, _)| *p).collect()
 }
@@ -211,13 +223,7 @@ async fn a_pause_whose_request_is_lost_still_takes_effect_and_status_reports_the
     // b applies the pause from the desired state: its partition stops moving.
     let start = Instant::now();
     let paused_at = loop {
-        let status = c.relay_cmd(&["status", "--json"]);
-        let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap_or_default();
-        let part = json["partitions"]
-            .as_array()
-            .and_then(|ps| ps.iter().find(|p| p["stream"] == "relay-in" && p["partition"] == target))
-            .cloned()
-            .unwrap_or_default();
+        let (part, json) = partition_status(&c, target);
         if part["paused"] == true {
             break part["deliveries"].as_u64().unwrap_or(0);
         }
@@ -225,13 +231,7 @@ async fn a_pause_whose_request_is_lost_still_takes_effect_and_status_reports_the
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let status = c.relay_cmd(&["status", "--json"]);
-    let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap_or_default();
-    let part = json["partitions"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["stream"] == "relay-in" && p["partition"] == target))
-        .cloned()
-        .unwrap_or_default();
+    let (part, _) = partition_status(&c, target);
     assert_eq!(part["deliveries"].as_u64(), Some(paused_at), "a paused partition took messages: {part}");
     let resume = c.relay_cmd(&["resume", "--stream", "relay-in", "--partition", &target.to_string()]);
     assert!(resume.status.success(), "resume: {}", String::from_utf8_lossy(&resume.stderr));

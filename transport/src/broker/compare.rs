@@ -76,6 +76,16 @@ fn limit<T: Debug + PartialEq>(
     }
 }
 
+/// Replicas may always differ: a note when they do.
+fn replicas(object: String, existing: usize, wanted: usize) -> Option<Tolerated> {
+    (existing != wanted).then(|| Tolerated {
+        object,
+        field: "replicas",
+        existing: existing.to_string(),
+        wanted: wanted.to_string(),
+    })
+}
+
 /// `Ok` when `existing` is `wanted` in every field that decides what Flotilla reads and
 /// how it acknowledges; with the differences that are safe to keep (replicas, and
 /// age, count and size limits Flotilla does not set itself).
@@ -102,14 +112,7 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<T
     if !wanted.name.starts_with("KV_") {
         field(&object, "duplicate_window", &existing.duplicate_window, &wanted.duplicate_window)?;
     }
-    if existing.replicas != wanted.replicas {
-        tolerated.push(Tolerated {
-            object,
-            field: "replicas",
-            existing: existing.replicas.to_string(),
-            wanted: wanted.replicas.to_string(),
-        });
-    }
+    tolerated.extend(replicas(object, existing.replicas, wanted.replicas));
     Ok(tolerated)
 }
 
@@ -143,14 +146,7 @@ pub(crate) fn kv(existing: &KvSpec, wanted: &KvSpec) -> Result<Vec<Tolerated>, B
     field(&object, "history", &existing.history, &wanted.history)?;
     limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
     field(&object, "storage", &existing.storage, &wanted.storage)?;
-    if existing.replicas != wanted.replicas {
-        tolerated.push(Tolerated {
-            object,
-            field: "replicas",
-            existing: existing.replicas.to_string(),
-            wanted: wanted.replicas.to_string(),
-        });
-    }
+    tolerated.extend(replicas(object, existing.replicas, wanted.replicas));
     Ok(tolerated)
 }
 
