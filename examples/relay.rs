@@ -5,10 +5,12 @@
 //!   `id` in decimal; ordered output `relay-out`, same type and key. `--queue` switches
 //!   both to queue streams `relay-jobs` → `relay-done`;
 //! * a body starting with `poison` fails every attempt (so it ends in the DLQ after
-//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; a body starting
-//!   with `crash` aborts the node process every time (so, with nodes restarted as a
-//!   supervisor would, it ends in the DLQ as `crash-loop` after `--crash-limit` counted
-//!   crashes); anything else is forwarded unchanged;
+//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; `later:<ms>`
+//!   forwards it as a delayed output (`ctx.send_after`, through the job's timer
+//!   stream) due `<ms>` after it was processed; a body starting with `crash` aborts
+//!   the node process every time (so, with nodes restarted as a supervisor would, it
+//!   ends in the DLQ as `crash-loop` after `--crash-limit` counted crashes); anything
+//!   else is forwarded unchanged;
 //! * flags `--nats URL`, `--partitions N` (8), `--max-attempts N` (3),
 //!   `--ack-wait DURATION` (30s), `--node-id ID`, `--crash-limit N` (3); `publish --count N [--poison K]`
 //!   publishes N records (K of them poison) and exits;
@@ -134,7 +136,13 @@ impl Task for Relay<Record> {
                 ms.trim().parse().map_err(|_| TaskError::failed(format!("bad sleep body {:?}", record.body)))?;
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        ctx.send(&self.out, &record.id.to_string(), &record).await?;
+        if let Some(ms) = record.body.strip_prefix("later:") {
+            let ms: u64 =
+                ms.trim().parse().map_err(|_| TaskError::failed(format!("bad later body {:?}", record.body)))?;
+            ctx.send_after(&self.out, &record.id.to_string(), &record, Duration::from_millis(ms)).await?;
+        } else {
+            ctx.send(&self.out, &record.id.to_string(), &record).await?;
+        }
         self.counts.forwarded.set(self.counts.forwarded.get() + 1);
         Ok(())
     }
