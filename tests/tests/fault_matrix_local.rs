@@ -11,8 +11,9 @@
 use flotilla_actors::failpoint;
 use flotilla_tests::NatsServer;
 use flotilla_tests::relay_cluster::{
-    Feed, Launch, OUT, QUEUE_OUT, RelayCluster, id_counts, queue_record, record, tail,
+    DLQ, Feed, Launch, OUT, QUEUE_OUT, RelayCluster, id_counts, queue_record, record, tail,
 };
+use flotilla_transport::BrokerError;
 use futures::StreamExt;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -122,4 +123,88 @@ async fn crash_between_effect_and_ack_ordered_stores_every_record_once() {
 #[actix_rt::test]
 async fn crash_between_effect_and_ack_queue_stores_every_record_once() {
     crash_between_effect_and_ack(true).await;
+}
+
+/// Row: the server's store fills up. Publishers and nodes get a typed error that says
+/// the store is full (retried with backoff, no attempt spent); nothing crashes; once
+/// space returns everything resumes and every record the input acknowledged is in
+/// relay-out exactly once.
+#[actix_rt::test]
+async fn a_full_server_store_holds_work_with_a_typed_error_and_loses_nothing_once_space_returns() {
+    let started = Instant::now();
+    let server = NatsServer::start_with_config("jetstream {\n  max_file_store: 8MB\n}\n");
+    let mut c = RelayCluster::on(&server.url(), &["a", "b"]).await;
+    c.server = Some(server);
+    c.wait_balanced(&["a", "b"], Duration::from_secs(30)).await;
+    let feed = Feed::start(c.broker.clone(), 300);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // Another tenant fills the store.
+    let client = async_nats::connect(c.nats.as_str()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "FILLER".into(),
+        subjects: vec!["filler.>".into()],
+        ..Default::default()
+    })
+    .await
+    .expect("filler stream");
+    let chunk = bytes::Bytes::from(vec![b'x'; 64 * 1024]);
+    let mut filled = 0u64;
+    let fill_error = loop {
+        let ack = js.publish("filler.x", chunk.clone()).await.expect("publish sent");
+        match ack.await {
+            Ok(_) => filled += chunk.len() as u64,
+            Err(e) => break e.to_string(),
+        }
+        assert!(filled < 64 << 20, "64 MB went into a store limited to 8 MB");
+    };
+    let full_at = Instant::now();
+    eprintln!("store full after {} KB of filler: {fill_error}", filled / 1024);
+
+    // The publisher: a typed error, the relay's publish command says why.
+    let refused = c.broker.publish(record(1 << 40)).await;
+    let err = refused.expect_err("a publish into a full store is refused");
+    assert!(matches!(err, BrokerError::StorageFull { .. }) && err.is_transient(), "{err:?}");
+    assert!(err.to_string().contains("store is full"), "{err}");
+    let cmd = c.relay_cmd(&["publish", "--count", "3", "--start", &(1u64 << 41).to_string()]);
+    let text = String::from_utf8_lossy(&cmd.stderr).to_string();
+    assert!(!cmd.status.success() && text.contains("store is full"), "relay publish into a full store: {text}");
+    // The nodes: they log the same kind of error (their outputs or lease renewals are
+    // refused) and stay up.
+    for id in ["a", "b"] {
+        c.wait_log(id, "store is full", Duration::from_secs(20)).await;
+    }
+    let stalled = feed.published();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for id in ["a", "b"] {
+        assert!(c.is_running(id), "node {id} died on a full store{}", c.all_logs());
+    }
+
+    // Space returns.
+    js.delete_stream("FILLER").await.expect("delete filler");
+    let freed_at = Instant::now();
+    let start = Instant::now();
+    while feed.published() <= stalled + 300 {
+        assert!(start.elapsed() < Duration::from_secs(20), "the feed did not resume{}", c.all_logs());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let resumed = freed_at.elapsed();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let gap = feed.longest_gap();
+    let n = feed.stop().await;
+    c.wait_all_out(n, Duration::from_secs(60)).await;
+    c.wait_input_acked(false, Duration::from_secs(30)).await;
+    assert_each_once(&c, OUT, n).await;
+    let dead = c.broker.stream_state(DLQ).await.map(|s| s.messages).unwrap_or(0);
+    assert_eq!(dead, 0, "nothing was poison, so nothing is dead-lettered{}", c.all_logs());
+    for id in ["a", "b"] {
+        assert!(c.is_running(id), "node {id} died after the store emptied{}", c.all_logs());
+    }
+    eprintln!(
+        "full store: held {:.1?}, publishing resumed {resumed:.1?} after space returned; {n} records, longest publish gap {:.1?}; test {:.1?}",
+        freed_at - full_at,
+        gap,
+        started.elapsed()
+    );
 }
