@@ -11,9 +11,10 @@
 use flotilla_actors::failpoint;
 use flotilla_tests::NatsServer;
 use flotilla_tests::relay_cluster::{
-    DLQ, Feed, Launch, OUT, QUEUE_OUT, RelayCluster, id_counts, queue_record, record, tail,
+    DLQ, Feed, Launch, OUT, PARTITIONS, QUEUE_OUT, RelayCluster, id_counts, queue_record, record, record_with, tail,
 };
 use flotilla_transport::BrokerError;
+use flotilla_transport::wire::partition_for;
 use futures::StreamExt;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -40,10 +41,16 @@ async fn watch_outputs(
 
 /// Asserts that `stream` holds each of records `0..n` exactly once.
 async fn assert_each_once(c: &RelayCluster, stream: &str, n: u64) {
+    assert_each_once_with(c, stream, n, &[]).await;
+}
+
+/// Asserts that `stream` holds each of records `0..n` and `also` exactly once, and
+/// nothing else.
+async fn assert_each_once_with(c: &RelayCluster, stream: &str, n: u64, also: &[u64]) {
     let counts = id_counts(&c.broker, stream).await;
-    let missing: Vec<u64> = (0..n).filter(|i| !counts.contains_key(i)).take(20).collect();
+    let missing: Vec<u64> = (0..n).chain(also.iter().copied()).filter(|i| !counts.contains_key(i)).take(20).collect();
     let doubled: Vec<(u64, u32)> = counts.iter().filter(|(_, k)| **k > 1).map(|(i, k)| (*i, *k)).take(20).collect();
-    let extra: Vec<u64> = counts.keys().filter(|i| **i >= n).copied().take(20).collect();
+    let extra: Vec<u64> = counts.keys().filter(|i| **i >= n && !also.contains(i)).copied().take(20).collect();
     assert!(
         missing.is_empty() && doubled.is_empty() && extra.is_empty(),
         "{stream}: missing {missing:?}, stored more than once {doubled:?}, never published {extra:?}{}",
@@ -205,6 +212,88 @@ async fn a_full_server_store_holds_work_with_a_typed_error_and_loses_nothing_onc
         "full store: held {:.1?}, publishing resumed {resumed:.1?} after space returned; {n} records, longest publish gap {:.1?}; test {:.1?}",
         freed_at - full_at,
         gap,
+        started.elapsed()
+    );
+}
+
+/// Row: a drain that never ends. A handler hangs on one partition; `drain --deadline 4s`
+/// exits 1 naming that partition while the other partitions go on to their markers;
+/// SIGTERM stops the hung node within its drain timeout (10 s), handing the record back;
+/// restarted with the hang fixed (`--max-sleep`), the old run drains and a new one
+/// takes the rest: every record once, nothing dead-lettered.
+#[actix_rt::test]
+async fn a_drain_that_never_ends_names_the_stuck_partition_and_loses_nothing_after_restart() {
+    let started = Instant::now();
+    let server = NatsServer::start();
+    let mut c = RelayCluster::on(&server.url(), &[]).await;
+    c.server = Some(server);
+    let drain_timeout = Launch { args: vec!["--drain-timeout".into(), "10s".into()], ..Launch::default() };
+    c.add_with("a", drain_timeout.clone());
+    c.add_with("b", drain_timeout);
+    let owners = c.wait_balanced(&["a", "b"], Duration::from_secs(30)).await;
+    let (produced, watcher) = watch_outputs(&c, "flotilla.relay.relay-out.*").await;
+    let feed = Feed::start(c.broker.clone(), 200);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let stuck = 1u64 << 30;
+    let p = partition_for(&stuck.to_string(), PARTITIONS);
+    let holder = owners.get(&p).cloned().expect("the stuck partition is held");
+    let other = if holder == "a" { "b" } else { "a" };
+    c.broker.publish(record_with(stuck, "sleep:600000")).await.expect("publish the hanging record");
+    // The other partitions keep flowing past it (watched as they are published: reading
+    // relay-out while it grows chases its tail).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let upto = feed.published();
+    let others: Vec<String> =
+        (0..upto).filter(|i| partition_for(&i.to_string(), PARTITIONS) != p).map(|i| i.to_string()).collect();
+    let start = Instant::now();
+    while !others.iter().all(|i| produced.borrow().contains_key(i)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "other partitions stalled behind the hung one{}",
+            c.all_logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!produced.borrow().contains_key(&stuck.to_string()), "the hung record was forwarded");
+    let drain = c.relay_cmd(&["drain", "--deadline", "4s"]);
+    let text = format!("{}{}", String::from_utf8_lossy(&drain.stdout), String::from_utf8_lossy(&drain.stderr));
+    assert_eq!(drain.status.code(), Some(1), "a drain past its deadline exits 1: {text}");
+    assert!(
+        text.contains("deadline") && text.contains(&format!("relay-in/{p} (held by {holder}")),
+        "the stuck partition relay-in/{p} held by {holder} is named: {text}"
+    );
+    eprintln!("drain past its deadline said: {}", text.trim());
+    // SIGTERM: the hung node waits out its drain timeout, hands the record back, exits.
+    let term = Instant::now();
+    c.signal(&holder, "TERM");
+    c.signal(other, "TERM");
+    let status = c.wait_exit_async(other, Duration::from_secs(30)).await;
+    assert!(status.success(), "{other} exits 0 on SIGTERM: {status}");
+    let status = c.wait_exit_async(&holder, Duration::from_secs(25)).await;
+    let stop_took = term.elapsed();
+    assert!(status.success(), "{holder} exits 0 on SIGTERM: {status}{}", c.all_logs());
+    assert!(stop_took <= Duration::from_secs(18), "{holder} took {stop_took:?} to stop (drain timeout 10 s)");
+    assert!(c.log_text(&holder).contains("drain timeout: handing back in-flight messages"), "{}", c.all_logs());
+    let n = feed.stop().await;
+    watcher.abort();
+    // The hang fixed: the old run finishes draining (the nodes exit 0), then a new run
+    // takes what followed the markers.
+    let fixed = Launch { args: vec!["--max-sleep".into(), "10ms".into()], ..Launch::default() };
+    c.add_with("a", fixed.clone());
+    c.add_with("b", fixed);
+    for id in ["a", "b"] {
+        let status = c.wait_exit_async(id, Duration::from_secs(40)).await;
+        assert!(status.success(), "{id} exits 0 once the old run is drained: {status}{}", c.all_logs());
+    }
+    c.add("a");
+    c.add("b");
+    c.wait_all_out(n, Duration::from_secs(40)).await;
+    c.wait_input_acked(false, Duration::from_secs(20)).await;
+    assert_each_once_with(&c, OUT, n, &[stuck]).await;
+    let dead = c.broker.stream_state(DLQ).await.map(|s| s.messages).unwrap_or(0);
+    assert_eq!(dead, 0, "nothing was poison{}", c.all_logs());
+    eprintln!(
+        "drain that never ends: relay-in/{p} stuck on {holder}; SIGTERM → exit {stop_took:.1?}; {n} records (+1 hung); test {:.1?}",
         started.elapsed()
     );
 }
