@@ -5,12 +5,16 @@
 //!   `id` in decimal; ordered output `relay-out`, same type and key. `--queue` switches
 //!   both to queue streams `relay-jobs` → `relay-done`;
 //! * a body starting with `poison` fails every attempt (so it ends in the DLQ after
-//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; a body starting
-//!   with `crash` aborts the node process every time (so, with nodes restarted as a
-//!   supervisor would, it ends in the DLQ as `crash-loop` after `--crash-limit` counted
-//!   crashes); anything else is forwarded unchanged;
+//!   `--max-attempts`); `sleep:<ms>` waits that long, then forwards; `later:<ms>`
+//!   forwards it as a delayed output (`ctx.send_after`, through the job's timer
+//!   stream) due `<ms>` after it was processed; a body starting with `crash` aborts
+//!   the node process every time (so, with nodes restarted as a supervisor would, it
+//!   ends in the DLQ as `crash-loop` after `--crash-limit` counted crashes); anything
+//!   else is forwarded unchanged;
 //! * flags `--nats URL`, `--partitions N` (8), `--max-attempts N` (3),
-//!   `--ack-wait DURATION` (30s), `--node-id ID`, `--crash-limit N` (3); `publish --count N [--poison K]`
+//!   `--ack-wait DURATION` (30s), `--node-id ID`, `--crash-limit N` (3), `--drain-timeout
+//!   DURATION` (30s), `--max-sleep DURATION` (caps `sleep:` bodies; none);
+//!   `publish --count N [--poison K]`
 //!   publishes N records (K of them poison) and exits;
 //! * with `--nats`, several relay processes form a cluster and share `relay-in`'s
 //!   partitions; the control subcommands (`status`, `drain`, `stop --node ID`,
@@ -69,6 +73,13 @@ struct Args {
     /// dead-lettered as crash-loop.
     #[arg(long, default_value_t = 3, global = true, value_parser = clap::value_parser!(u32).range(1..=1000))]
     crash_limit: u32,
+    /// How long a graceful stop waits for in-flight records before handing them back.
+    #[arg(long, default_value = "30s", global = true, value_parser = parse_duration)]
+    drain_timeout: Duration,
+    /// Caps the wait of `sleep:<ms>` bodies (a deployed fix for a hung handler, in
+    /// tests); no cap by default.
+    #[arg(long, global = true, value_parser = parse_duration)]
+    max_sleep: Option<Duration>,
     /// Embedded broker only: how many records the demo feeds itself.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=10_000_000))]
     demo: u64,
@@ -108,6 +119,7 @@ struct Counts {
 
 struct Relay<T: 'static> {
     out: StreamDef<Record>,
+    max_sleep: Option<Duration>,
     counts: Rc<Counts>,
     _input: std::marker::PhantomData<T>,
 }
@@ -132,9 +144,16 @@ impl Task for Relay<Record> {
         if let Some(ms) = record.body.strip_prefix("sleep:") {
             let ms: u64 =
                 ms.trim().parse().map_err(|_| TaskError::failed(format!("bad sleep body {:?}", record.body)))?;
-            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let wait = Duration::from_millis(ms);
+            tokio::time::sleep(self.max_sleep.map_or(wait, |cap| wait.min(cap))).await;
         }
-        ctx.send(&self.out, &record.id.to_string(), &record).await?;
+        if let Some(ms) = record.body.strip_prefix("later:") {
+            let ms: u64 =
+                ms.trim().parse().map_err(|_| TaskError::failed(format!("bad later body {:?}", record.body)))?;
+            ctx.send_after(&self.out, &record.id.to_string(), &record, Duration::from_millis(ms)).await?;
+        } else {
+            ctx.send(&self.out, &record.id.to_string(), &record).await?;
+        }
         self.counts.forwarded.set(self.counts.forwarded.get() + 1);
         Ok(())
     }
@@ -228,6 +247,7 @@ fn main() -> anyhow::Result<()> {
             // Provision the input the way the job does, so publishing works before any node ran.
             let job = Job::new("relay").task(input, move |_| Relay::<Record> {
                 out: output,
+                max_sleep: None,
                 counts: Rc::default(),
                 _input: std::marker::PhantomData,
             });
@@ -244,11 +264,17 @@ fn main() -> anyhow::Result<()> {
     let counts = Rc::new(Counts::default());
     let c = counts.clone();
     let job = Job::new("relay")
-        .task(input, move |_| Relay::<Record> { out: output, counts: c.clone(), _input: std::marker::PhantomData })
+        .task(input, move |_| Relay::<Record> {
+            out: output,
+            max_sleep: args.max_sleep,
+            counts: c.clone(),
+            _input: std::marker::PhantomData,
+        })
         .max_attempts(args.max_attempts)
         .ack_wait(args.ack_wait)
         .max_concurrency(if args.queue { args.concurrency as usize } else { 1 })
         .crash_limit(args.crash_limit)
+        .drain_timeout(args.drain_timeout)
         .retry(RetryPolicy {
             max_attempts: args.max_attempts,
             initial_backoff: Duration::from_millis(100),

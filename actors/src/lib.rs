@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod config;
 pub mod container;
 pub mod events;
+pub mod failpoint;
 pub mod job;
 pub mod membership;
 pub mod reaper;

@@ -139,6 +139,24 @@ impl NatsServer {
         server
     }
 
+    /// Starts a standalone JetStream server that also reads the configuration file
+    /// `config` (for example `jetstream { max_file_store: 4MB }`); command-line settings
+    /// (port, store directory, log) win over the file's.
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`].
+    pub fn start_with_config(config: &str) -> Self {
+        let dir = tempfile::Builder::new().prefix("flotilla-nats-").tempdir().expect("temp dir for nats-server");
+        let file = dir.path().join("nats.conf");
+        std::fs::write(&file, config).expect("write nats-server config");
+        let port = free_port();
+        let http_port = free_port();
+        let mut server = Self::spawn(dir.path(), port, http_port, vec!["-c".to_owned(), file.display().to_string()]);
+        server._dir = Some(dir);
+        server.wait_healthy();
+        server
+    }
+
     fn spawn(dir: &Path, port: u16, http_port: u16, extra: Vec<String>) -> Self {
         let store = dir.join("store");
         let log = dir.join(format!("nats-{port}.log"));

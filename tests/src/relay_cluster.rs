@@ -30,6 +30,10 @@ pub const OUT: &str = "FLOTILLA_relay_relay-out";
 pub const IN: &str = "FLOTILLA_relay_relay-in";
 /// The relay job's dead-letter stream.
 pub const DLQ: &str = "FLOTILLA_relay_DLQ";
+/// The relay's queue input stream (`--queue`).
+pub const QUEUE_IN: &str = "FLOTILLA_relay_relay-jobs";
+/// The relay's queue output stream (`--queue`).
+pub const QUEUE_OUT: &str = "FLOTILLA_relay_relay-done";
 
 /// The relay's record type (as `examples/relay.rs` declares it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -276,6 +280,20 @@ impl RelayCluster {
         }
     }
 
+    /// As [`wait_exit`](Self::wait_exit), but waiting asynchronously, so tasks of the
+    /// test (a [`Feed`], a watcher) keep running meanwhile.
+    pub async fn wait_exit_async(&mut self, id: &str, within: Duration) -> std::process::ExitStatus {
+        let start = Instant::now();
+        loop {
+            let guard = self.nodes.get_mut(id).unwrap_or_else(|| panic!("no node {id}"));
+            if let Some(status) = guard.wait_timeout(Duration::from_millis(1)) {
+                return status;
+            }
+            assert!(start.elapsed() < within, "node {id} did not exit within {within:?}{}", self.all_logs());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Whether node `id` is still running.
     pub fn is_running(&mut self, id: &str) -> bool {
         self.nodes.get_mut(id).is_some_and(|g| g.wait_timeout(Duration::from_millis(1)).is_none())
@@ -295,20 +313,53 @@ impl RelayCluster {
         (number_before(" records to relay-"), number_before(" redelivered records"))
     }
 
-    /// Waits until relay-out holds records `0..n`; panics naming the first missing.
-    pub async fn wait_all_out(&self, n: u64, within: Duration) {
+    /// Waits until the input (`relay-in`'s partition consumers, or with `queue` the
+    /// `relay-jobs` workers' consumer) has delivered and had acknowledged everything:
+    /// the work is done, including redeliveries of what a dead node held.
+    pub async fn wait_input_acked(&self, queue: bool, within: Duration) {
+        let (stream, consumers): (&str, Vec<String>) = if queue {
+            (QUEUE_IN, vec!["relay-jobs-workers".to_owned()])
+        } else {
+            (IN, (0..PARTITIONS).map(|p| format!("relay-in-p{p}")).collect())
+        };
         let start = Instant::now();
         loop {
-            let stored = self.broker.stream_state(OUT).await.map(|s| s.messages).unwrap_or(0);
+            let mut open = Vec::new();
+            for name in &consumers {
+                match self.broker.consumer_state(stream, name).await {
+                    Ok(s) if s.num_pending == 0 && s.num_ack_pending == 0 => {}
+                    Ok(s) => open.push(format!("{name}: {} pending, {} unacked", s.num_pending, s.num_ack_pending)),
+                    Err(e) => open.push(format!("{name}: {e}")),
+                }
+            }
+            if open.is_empty() {
+                return;
+            }
+            assert!(start.elapsed() < within, "{stream} not done after {within:?}: {open:?}{}", self.all_logs());
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Waits until relay-out holds records `0..n`; panics naming the first missing.
+    pub async fn wait_all_out(&self, n: u64, within: Duration) {
+        self.wait_all_in(OUT, n, within).await;
+    }
+
+    /// Waits until `stream` (an output: [`OUT`], [`QUEUE_OUT`]) holds records `0..n`;
+    /// panics naming the first missing.
+    pub async fn wait_all_in(&self, stream: &str, n: u64, within: Duration) {
+        let start = Instant::now();
+        loop {
+            let stored = self.broker.stream_state(stream).await.map(|s| s.messages).unwrap_or(0);
             if stored >= n {
                 break;
             }
-            assert!(start.elapsed() < within, "relay-out has {stored} of {n} after {within:?}{}", self.all_logs());
+            assert!(start.elapsed() < within, "{stream} has {stored} of {n} after {within:?}{}", self.all_logs());
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let ids = out_ids(&self.broker).await;
-        let missing: Vec<u64> = (0..n).filter(|i| !ids.contains(i)).take(20).collect();
-        assert!(missing.is_empty(), "relay-out misses records (first 20): {missing:?}");
+        let ids = id_counts(&self.broker, stream).await;
+        let missing: Vec<u64> = (0..n).filter(|i| !ids.contains_key(i)).take(20).collect();
+        assert!(missing.is_empty(), "{stream} misses records (first 20): {missing:?}");
     }
 }
 
@@ -334,6 +385,21 @@ pub fn record_with(id: u64, body: &str) -> OutboundMessage {
         .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
 }
 
+/// Record `id` for the queue input (`--queue`), as [`record`] is for the ordered one.
+pub fn queue_record(id: u64) -> OutboundMessage {
+    queue_record_with(id, &format!("record {id}"))
+}
+
+/// Record `id` with `body` for the queue input (`--queue`).
+pub fn queue_record_with(id: u64, body: &str) -> OutboundMessage {
+    let payload = Codec::default().encode(&Record { id, body: body.to_owned() }).expect("encode");
+    OutboundMessage::new("flotilla.relay.relay-jobs", payload)
+        .with_id(format!("in-{id}"))
+        .with_header(headers::KEY, id.to_string())
+        .with_header(headers::TYPE, "Record")
+        .with_header(headers::SENT, unix_millis(SystemTime::now()).to_string())
+}
+
 /// Publishes records `0..` in batches until stopped, counting only batches the stream
 /// acknowledged whole, and the longest time between two acknowledged batches (how long
 /// publishers were held up by a fault).
@@ -348,6 +414,11 @@ impl Feed {
     /// About `per_second` records a second. Must run inside a `LocalSet` (as
     /// `#[actix_rt::test]` tests do).
     pub fn start(broker: SharedBroker, per_second: u64) -> Self {
+        Self::start_with(broker, per_second, record)
+    }
+
+    /// As [`start`](Self::start), building record `id` with `make` (e.g. [`queue_record`]).
+    pub fn start_with(broker: SharedBroker, per_second: u64, make: fn(u64) -> OutboundMessage) -> Self {
         let stop = Rc::new(Cell::new(false));
         let published = Rc::new(Cell::new(0));
         let longest_gap = Rc::new(Cell::new(Duration::ZERO));
@@ -357,7 +428,7 @@ impl Feed {
             let mut last_ok = Instant::now();
             while !s.get() {
                 let from = p.get();
-                let msgs: Vec<OutboundMessage> = (from..from + batch).map(record).collect();
+                let msgs: Vec<OutboundMessage> = (from..from + batch).map(make).collect();
                 let acks = broker.publish_batch(msgs).await;
                 if acks.iter().all(Result::is_ok) {
                     p.set(from + batch);
@@ -438,8 +509,13 @@ pub async fn out_ids(b: &SharedBroker) -> BTreeSet<u64> {
 /// How often each record id is stored in relay-out (more than once is a duplicate the
 /// stream's deduplication window did not catch).
 pub async fn out_id_counts(b: &SharedBroker) -> BTreeMap<u64, u32> {
+    id_counts(b, OUT).await
+}
+
+/// How often each record id is stored in `stream`.
+pub async fn id_counts(b: &SharedBroker, stream: &str) -> BTreeMap<u64, u32> {
     let mut counts = BTreeMap::new();
-    for (_, _, payload, _) in read_stream(b, OUT).await {
+    for (_, _, payload, _) in read_stream(b, stream).await {
         if let Ok(r) = Codec::default().decode::<Record>(&payload) {
             *counts.entry(r.id).or_default() += 1;
         }

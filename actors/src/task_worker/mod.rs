@@ -808,6 +808,7 @@ impl<T: Task> TaskWorker<T> {
             self.maybe_request_commit();
         } else {
             self.claimed.remove(&order);
+            crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
             self.ack(&envelope.delivery.token, AckKind::Ack);
             self.state.effects_done(order);
             self.completed(1);
@@ -1006,6 +1007,7 @@ impl<T: Task> TaskWorker<T> {
             let done = std::mem::replace(&mut self.claimed, rest);
             if self.binding.ordered() {
                 if let Some((_, last)) = done.iter().next_back() {
+                    crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
                     self.ack(&last.token, AckKind::Ack);
                     self.intake.committed_to(last.seq);
                     self.last_commit = Some(last.token.clone());

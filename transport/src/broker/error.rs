@@ -156,6 +156,22 @@ pub enum BrokerError {
         /// What the server said.
         reason: String,
     },
+    /// The server's JetStream store is full: its `max_file_store` / `max_memory_store`,
+    /// an account limit or the disk itself (JetStream error codes 10023 "insufficient
+    /// resources", 10047 "insufficient storage resources available", 10028 for
+    /// memory, or a store write that failed with no space left). Nothing was stored; the
+    /// same request succeeds once space returns.
+    #[error(
+        "{operation}: the NATS server's JetStream store is full ({reason}); nothing was stored. \
+         Free space on the server (purge or delete streams, raise max_file_store, grow the disk); \
+         retrying with backoff"
+    )]
+    StorageFull {
+        /// What was attempted.
+        operation: String,
+        /// What the server said.
+        reason: String,
+    },
     /// Any other error the server or client reported.
     #[error("{operation} failed: {reason}")]
     Other {
@@ -165,6 +181,11 @@ pub enum BrokerError {
         reason: String,
     },
 }
+
+/// JetStream error codes that mean the server's store is full: 10023 insufficient
+/// resources (the server's `max_file_store`/`max_memory_store` reached), 10047
+/// insufficient storage resources, 10028 insufficient memory resources.
+pub const STORAGE_FULL_CODES: [u64; 3] = [10023, 10047, 10028];
 
 /// What an error means for the work it happened to, decided once, here (the table in
 /// `docs/errors.md`).
@@ -189,6 +210,7 @@ impl BrokerError {
             | BrokerError::TimedOut { .. }
             | BrokerError::Unreachable { .. }
             | BrokerError::ServerUnavailable { .. }
+            | BrokerError::StorageFull { .. }
             // A 503 "no responders" to a publish: no stream listens on the subject, or
             // JetStream is restarting or electing a leader; the two look the same.
             | BrokerError::NoStream { .. }
@@ -204,6 +226,22 @@ impl BrokerError {
     /// opposed to a refusal that will repeat.
     pub fn is_transient(&self) -> bool {
         self.class() == ErrorClass::Transient
+    }
+
+    /// The error for a JetStream API error reply (`{"code":503,"err_code":10023,
+    /// "description":"insufficient resources"}`; `code` 0 when only the error code is
+    /// known) to `operation`, or `None` when the reply
+    /// is not one this type names by itself (the caller keeps its own mapping).
+    pub fn from_js_api(operation: &str, code: u16, err_code: u64, description: &str) -> Option<Self> {
+        let reason = || match code {
+            // No status known (the error came as text that names its codes already).
+            0 => description.to_owned(),
+            _ => format!("{description} (status {code}, error code {err_code})"),
+        };
+        if STORAGE_FULL_CODES.contains(&err_code) || description.contains("no space left on device") {
+            return Some(BrokerError::StorageFull { operation: operation.to_owned(), reason: reason() });
+        }
+        None
     }
 
     pub(crate) fn other(operation: impl Into<String>, reason: impl std::fmt::Display) -> Self {
@@ -232,8 +270,30 @@ mod tests {
         assert_eq!(too_large.class(), ErrorClass::Permanent("too-large"));
         let codec = BrokerError::Codec(CodecError::TooLarge { size: 2, limit: 1 });
         assert_eq!(codec.class(), ErrorClass::Permanent("too-large"));
+        let full = BrokerError::StorageFull { operation: "publish".into(), reason: "insufficient resources".into() };
+        assert_eq!(full.class(), ErrorClass::Transient);
         let refused = BrokerError::WrongLastSequence { subject: "a".into(), expected: 1, actual: 2 };
         assert_eq!(refused.class(), ErrorClass::Refused);
         assert!(!refused.is_transient());
+    }
+
+    #[test]
+    fn a_full_store_is_its_own_retryable_kind() {
+        let full = BrokerError::from_js_api("publish to a.b", 500, 10047, "insufficient storage resources available")
+            .expect("10047 is storage full");
+        assert!(matches!(full, BrokerError::StorageFull { .. }), "{full:?}");
+        assert_eq!(full.class(), ErrorClass::Transient, "retried after backoff, no attempt spent");
+        let text = full.to_string();
+        assert!(text.contains("store is full") && text.contains("10047") && text.contains("a.b"), "{text}");
+        for (code, err_code, description) in
+            [(503, 10023, "insufficient resources"), (500, 10028, "insufficient memory resources available")]
+        {
+            let e = BrokerError::from_js_api("publish", code, err_code, description);
+            assert!(matches!(e, Some(BrokerError::StorageFull { .. })), "{err_code}: {e:?}");
+        }
+        let enospc = BrokerError::from_js_api("publish", 503, 10077, "write /data/x: no space left on device");
+        assert!(matches!(enospc, Some(BrokerError::StorageFull { .. })), "{enospc:?}");
+        assert!(BrokerError::from_js_api("publish", 503, 10077, "maximum messages exceeded").is_none());
+        assert!(BrokerError::from_js_api("publish", 400, 10071, "wrong last sequence: 9").is_none());
     }
 }

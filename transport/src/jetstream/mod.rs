@@ -480,8 +480,13 @@ fn is_timeout<E: std::fmt::Display>(err: &E) -> bool {
 }
 
 fn api_error<E: std::fmt::Display>(operation: &str, err: E, timeout: Duration) -> BrokerError {
+    let text = err.to_string();
     if is_timeout(&err) {
         BrokerError::TimedOut { operation: operation.to_owned(), after: timeout }
+    } else if let Some(full) = js_code(&err).and_then(|code| BrokerError::from_js_api(operation, 0, code, &text)) {
+        full
+    } else if text.contains("no space left on device") || text.contains("insufficient resources") {
+        BrokerError::StorageFull { operation: operation.to_owned(), reason: text }
     } else if err.to_string().to_lowercase().contains("no responders") {
         BrokerError::Disconnected {
             operation: operation.to_owned(),

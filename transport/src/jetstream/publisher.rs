@@ -186,27 +186,31 @@ fn publish_result<'a>(out: &OutboundMessage, msg: &'a async_nats::Message) -> Br
     if msg.status == Some(StatusCode::NO_RESPONDERS) {
         return Err(BrokerError::NoStream { subject: out.subject.clone() });
     }
-    let reply: Reply<'_> = serde_json::from_slice(&msg.payload).map_err(|e| {
+    let mut reply: Reply<'_> = serde_json::from_slice(&msg.payload).map_err(|e| {
         BrokerError::other(format!("publish to {}", out.subject), format!("unreadable publish ack: {e}"))
     })?;
-    match reply.error {
-        None => Ok(reply),
-        Some(e) if e.err_code == WRONG_LAST_SEQUENCE => Err(BrokerError::WrongLastSequence {
+    let Some(e) = reply.error.take() else { return Ok(reply) };
+    let operation = format!("publish to {}", out.subject);
+    if e.err_code == WRONG_LAST_SEQUENCE {
+        return Err(BrokerError::WrongLastSequence {
             subject: out.subject.clone(),
             expected: out.expected_last_subject_seq.unwrap_or(0),
             actual: 0,
-        }),
-        // 503: JetStream cannot take it now (no leader, insufficient resources, a
-        // store error); the same publish may succeed later.
-        Some(e) if e.code == 503 => Err(BrokerError::ServerUnavailable {
-            operation: format!("publish to {}", out.subject),
-            reason: format!("{} (error code {})", e.description, e.err_code),
-        }),
-        Some(e) => Err(BrokerError::other(
-            format!("publish to {}", out.subject),
-            format!("{} (status {}, error code {})", e.description, e.code, e.err_code),
-        )),
+        });
     }
+    // A full store (10023, 10047, no space left): its own kind, so the message says so.
+    if let Some(err) = BrokerError::from_js_api(&operation, e.code, e.err_code, &e.description) {
+        return Err(err);
+    }
+    if e.code == 503 {
+        // JetStream cannot take it now (no leader, a store error); the same publish may
+        // succeed later.
+        return Err(BrokerError::ServerUnavailable {
+            operation,
+            reason: format!("{} (error code {})", e.description, e.err_code),
+        });
+    }
+    Err(BrokerError::other(operation, format!("{} (status {}, error code {})", e.description, e.code, e.err_code)))
 }
 
 /// A registered batch: removed (and its permits given back) when dropped unfinished.
