@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | `FLOTILLA_<J>_NODES` (expiry: `node_ttl`) | node id | [`NodeRecord`], rewritten by compare-and-set every `node_ttl / 3` |
 //! | `FLOTILLA_<J>_LEASES` (expiry: `lease_ttl`) | `<stream>.<partition>` | [`LeaseRecord`]; the revision at acquisition is the fencing epoch |
-//! | `FLOTILLA_<J>_CONTROL` (no expiry) | `run`, `topology`, `paused`, `drain`, `drained.<stream>.<p>`, `shutdown`, `stop.<node>` | the desired state |
+//! | `FLOTILLA_<J>_CONTROL` (no expiry) | `run`, `topology`, `paused`, `drain`, `drained.<stream>.<p>`, `shutdown`, `stop.<node>` | the desired state; also `clock`, which timer services write to read the server's clock ([`crate::timer_service::server_clock`]) |
 //!
 //! Control requests go over core NATS: `flotilla.<J>._ctl.all.<verb>` reaches every node
 //! (scatter-gather: each replies), `flotilla.<J>._ctl.node.<id>.<verb>` one node. Every

@@ -49,7 +49,9 @@ pub struct Record {
 pub struct Launch {
     /// The NATS URL(s) for this node, when not the cluster's.
     pub nats: Option<String>,
-    /// A command the node runs under, e.g. `["faketime", "-f", "+90s"]`.
+    /// A command the node runs under, e.g. `["faketime", "-f", "+90s"]`. The node is
+    /// killed when the wrapper dies; a wrapper that forks it (faketime does) gets the
+    /// node's signals itself, so use SIGKILL, not SIGTERM or SIGSTOP, on such nodes.
     pub wrapper: Vec<String>,
     /// Extra flags; one given here replaces the cluster's default for it (`--lease-ttl`,
     /// `--ack-wait`).
@@ -149,6 +151,11 @@ impl RelayCluster {
         let log = std::fs::File::create(self.log(id)).expect("log file");
         let err = log.try_clone().expect("log file");
         let mut chain: Vec<PathBuf> = launch.wrapper.iter().map(PathBuf::from).collect();
+        if !chain.is_empty() && Path::new("/usr/bin/setpriv").is_file() {
+            // A wrapper may fork the node rather than exec it (faketime does): the node
+            // must die with the wrapper, which is the process the guard kills.
+            chain.extend(["/usr/bin/setpriv", "--pdeathsig", "KILL", "--"].map(PathBuf::from));
+        }
         chain.push(self.bin.clone());
         let mut cmd = if Path::new("/usr/bin/setpriv").is_file() {
             let mut c = Command::new("/usr/bin/setpriv");

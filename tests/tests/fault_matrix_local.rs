@@ -11,7 +11,8 @@
 use flotilla_actors::failpoint;
 use flotilla_tests::NatsServer;
 use flotilla_tests::relay_cluster::{
-    DLQ, Feed, Launch, OUT, PARTITIONS, QUEUE_OUT, RelayCluster, id_counts, queue_record, record, record_with, tail,
+    DLQ, Feed, Launch, OUT, PARTITIONS, QUEUE_OUT, RelayCluster, TTL, id_counts, queue_record, record, record_with,
+    stale_outputs, tail,
 };
 use flotilla_transport::BrokerError;
 use flotilla_transport::wire::partition_for;
@@ -296,4 +297,141 @@ async fn a_drain_that_never_ends_names_the_stuck_partition_and_loses_nothing_aft
         "drain that never ends: relay-in/{p} stuck on {holder}; SIGTERM → exit {stop_took:.1?}; {n} records (+1 hung); test {:.1?}",
         started.elapsed()
     );
+}
+
+/// The `faketime` command (Debian's `faketime` package). Clock-skew rows never skip:
+/// without it they fail, saying how to install it (`scripts/test` installs it).
+fn faketime(offset: &str) -> Vec<String> {
+    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .chain([std::path::PathBuf::from("/usr/bin")])
+        .map(|d| d.join("faketime"))
+        .find(|p| p.is_file());
+    let Some(bin) = found else {
+        panic!(
+            "faketime not found (CI={}): install it with `apt-get install -y faketime` (scripts/test does); \
+             the clock-skew tests never skip",
+            std::env::var("CI").unwrap_or_default()
+        );
+    };
+    vec![bin.display().to_string(), "-f".into(), offset.into()]
+}
+
+/// A node whose wall clock is `offset` off (`+90s`, `-90s`); its monotonic clock is
+/// left alone, as on a real machine with a wrong time.
+fn skewed(offset: &str) -> Launch {
+    Launch {
+        wrapper: faketime(offset),
+        env: vec![("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into())],
+        ..Launch::default()
+    }
+}
+
+/// Row: clocks 90 s off either way. One node runs 90 s ahead, one 90 s behind, one
+/// right. Leases expire by the server's clock, so they still move only when a holder
+/// dies: after the skewed node is killed its partitions move within two TTLs, no
+/// output carries a stale epoch, and nothing is lost.
+#[actix_rt::test]
+async fn clock_skew_of_90s_either_way_moves_leases_correctly_and_loses_nothing() {
+    let started = Instant::now();
+    let server = NatsServer::start();
+    let mut c = RelayCluster::on(&server.url(), &[]).await;
+    c.server = Some(server);
+    c.add("n");
+    c.add_with("ahead", skewed("+90s"));
+    c.add_with("behind", skewed("-90s"));
+    let owners = c.wait_balanced(&["n", "ahead", "behind"], Duration::from_secs(40)).await;
+    let feed = Feed::start(c.broker.clone(), 300);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // The balance held under load: no lease moved between nodes that are all alive.
+    let before = c.owners().await;
+    let moved: Vec<u32> = before.iter().filter(|(p, (o, _))| owners.get(p) != Some(o)).map(|(p, _)| *p).collect();
+    assert!(moved.is_empty(), "leases moved between live skewed nodes: {owners:?} → {before:?}{}", c.all_logs());
+    // After each kill: (relay-out's last sequence once the partitions moved, the
+    // epochs then). Checked once the feed stops: reading relay-out while it grows
+    // chases its tail.
+    let mut moves = Vec::new();
+    for victim in ["ahead", "behind"] {
+        let held: Vec<u32> = c.owners().await.iter().filter(|(_, (o, _))| o == victim).map(|(p, _)| *p).collect();
+        c.signal(victim, "KILL");
+        let took = c.wait_moved_from(victim, &held, TTL * 2 + Duration::from_secs(5)).await;
+        assert!(took <= TTL * 2 + Duration::from_secs(1), "{victim}'s partitions moved after {took:?}");
+        let out_seq = c.broker.stream_state(OUT).await.map(|s| s.last_seq).unwrap_or(0);
+        let newer: BTreeMap<u32, u64> = c.owners().await.into_iter().map(|(p, (_, e))| (p, e)).collect();
+        moves.push((victim, out_seq, newer));
+        eprintln!("clock skew: {victim}'s partitions {held:?} moved in {took:.1?}");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        c.add_with(victim, skewed(if victim == "ahead" { "+90s" } else { "-90s" }));
+        c.wait_balanced(&["n", "ahead", "behind"], Duration::from_secs(40)).await;
+    }
+    let n = feed.stop().await;
+    for (victim, out_seq, newer) in &moves {
+        let stale = stale_outputs(&c.broker, *out_seq, newer).await;
+        assert!(stale.is_empty(), "outputs with a stale epoch after {victim} died: {stale:?}");
+    }
+    c.wait_all_out(n, Duration::from_secs(60)).await;
+    c.wait_input_acked(false, Duration::from_secs(30)).await;
+    assert_each_once(&c, OUT, n).await;
+    let dead = c.broker.stream_state(DLQ).await.map(|s| s.messages).unwrap_or(0);
+    assert_eq!(dead, 0, "nothing was poison{}", c.all_logs());
+    eprintln!("clock skew ±90 s: {n} records; test {:.1?}", started.elapsed());
+}
+
+/// Row: a delayed output (`later:<ms>`, `ctx.send_after`) promoted by a node whose
+/// clock is 90 s off fires on time: due `delay` after the server stored it, judged on
+/// the server's clock as the node estimates it, not 90 s early or late.
+#[actix_rt::test]
+async fn delayed_outputs_fire_on_time_on_a_node_whose_clock_is_90s_off() {
+    let started = Instant::now();
+    let server = NatsServer::start();
+    let mut c = RelayCluster::on(&server.url(), &[]).await;
+    c.server = Some(server);
+    let delay = Duration::from_secs(4);
+    let mut watch = c.broker.subscribe("flotilla.relay.relay-out.*", None).await.expect("watch outputs");
+    let fired: Rc<RefCell<BTreeMap<u64, Instant>>> = Rc::default();
+    let f = fired.clone();
+    let watcher = tokio::task::spawn_local(async move {
+        while let Some(m) = watch.next().await {
+            if let Some(id) = m.headers.get(flotilla_transport::wire::headers::KEY).and_then(|k| k.parse().ok()) {
+                f.borrow_mut().entry(id).or_insert_with(Instant::now);
+            }
+        }
+    });
+    let mut ids = Vec::new();
+    let mut report = Vec::new();
+    for (round, offset) in ["+90s", "-90s"].into_iter().enumerate() {
+        let id = format!("skewed{round}");
+        c.add_with(&id, skewed(offset));
+        c.wait_balanced(&[&id], Duration::from_secs(30)).await;
+        c.wait_log(&id, "delayed messages are timed on the server's", Duration::from_secs(20)).await;
+        let sent: Vec<(u64, Instant)> = (0..5u64).map(|k| (1000 * (round as u64 + 1) + k, Instant::now())).collect();
+        for (id, _) in &sent {
+            c.broker.publish(record_with(*id, &format!("later:{}", delay.as_millis()))).await.expect("publish");
+        }
+        let start = Instant::now();
+        while !sent.iter().all(|(i, _)| fired.borrow().contains_key(i)) {
+            assert!(
+                start.elapsed() < delay + Duration::from_secs(15),
+                "delayed outputs of a node {offset} off did not fire within {:?}{}",
+                delay + Duration::from_secs(15),
+                c.all_logs()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let took: Vec<Duration> = sent.iter().map(|(i, at)| fired.borrow()[i].duration_since(*at)).collect();
+        let (early, late) = (took.iter().min().copied(), took.iter().max().copied());
+        report.push(format!("{offset}: fired after {early:.2?}..{late:.2?} (delay {delay:?})"));
+        assert!(
+            took.iter().all(|t| *t >= delay - Duration::from_millis(500) && *t <= delay + Duration::from_secs(3)),
+            "a node {offset} off fired delayed outputs after {took:?}, wanted {delay:?}{}",
+            c.all_logs()
+        );
+        ids.extend(sent.iter().map(|(i, _)| *i));
+        c.signal(&id, "KILL");
+    }
+    watcher.abort();
+    let counts = id_counts(&c.broker, OUT).await;
+    for id in &ids {
+        assert_eq!(counts.get(id), Some(&1), "delayed output {id} stored once: {counts:?}");
+    }
+    eprintln!("delayed outputs on skewed nodes: {}; test {:.1?}", report.join("; "), started.elapsed());
 }

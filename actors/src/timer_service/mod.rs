@@ -15,22 +15,32 @@
 //! delay, goes to the dead-letter stream (`flotilla.<job>._dlq._timers`, reason
 //! `bad-timer`), never silently away.
 //!
+//! A delayed message is due `delay` after the server stored it, so it is judged on the
+//! server's clock, not the node's: the service estimates the server's clock
+//! ([`server_clock`]) by writing the key `clock` in the job's CONTROL bucket at start
+//! and every minute, and reading back the time the server stored with it. Without the
+//! bucket (a node outside a cluster) or while probes fail, it uses its own clock.
+//!
 //! Supervision: started by the job runner next to the container, on the same arbiter;
 //! it holds no state worth restarting for (delayed messages live in the broker). A
 //! periodic timer ends by itself when its target has stopped.
 
 mod messages;
+pub mod server_clock;
 
 pub use messages::{After, Cancel, Every, Tick, TimerId};
+pub use server_clock::ServerClock;
+use server_clock::{CLOCK_KEY, PROBE_INTERVAL, Probe};
 
 use actix::prelude::*;
 use flotilla_transport::broker::{AckKind, BrokerResult, Delivery, OutboundMessage, SharedBroker};
+use flotilla_transport::clock::unix_millis;
 use flotilla_transport::wire::{Headers, Subjects, headers};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// The longest delay a timer or a delayed message may have (365 days). Longer ones are
 /// refused when they are asked for ([`TaskContext::send_after`](crate::TaskContext::send_after),
@@ -69,6 +79,10 @@ pub struct TimerService {
     /// The pending wake-up and its time.
     wake: Option<(Instant, SpawnHandle)>,
     promotion: Option<Promotion>,
+    /// The server's clock, as last probed.
+    clock: ServerClock,
+    /// Whether the promotion loop runs (it starts after the first clock probe).
+    promoting: bool,
 }
 
 #[derive(Debug)]
@@ -85,12 +99,47 @@ impl TimerService {
         Self { promotion: Some(promotion), ..Self::default() }
     }
 
+    /// Probes the server's clock (see [`server_clock`]); starts the promotion loop
+    /// after the first probe, whatever its outcome.
+    fn probe_clock(&mut self, ctx: &mut Context<Self>) {
+        let Some(p) = self.promotion.clone() else { return };
+        let bucket = p.subjects.bucket_name(crate::cluster::CONTROL);
+        let fut = async move {
+            let sent = p.broker.system_now();
+            let value = bytes::Bytes::from(unix_millis(sent).to_string());
+            let revision = p.broker.kv_put(&bucket, CLOCK_KEY, value).await?;
+            let received = p.broker.system_now();
+            // The KV bucket's stream: the write's revision is its sequence there.
+            let stored = p.broker.get_message(&format!("KV_{bucket}"), revision).await?;
+            BrokerResult::Ok(stored.map(|m| Probe { sent, received, server: m.published }))
+        };
+        ctx.spawn(fut.into_actor(self).map(|probe, act, ctx| {
+            match probe {
+                Ok(Some(probe)) => match act.clock.observe(&probe) {
+                    Some(offset_ms) if offset_ms.abs() >= 1000 => {
+                        info!(offset_ms, "this node's clock differs from the NATS server's: delayed messages are timed on the server's")
+                    }
+                    Some(offset_ms) => debug!(offset_ms, "server clock probed"),
+                    None => debug!(?probe, "server clock probe unusable (slow round trip or a clock step)"),
+                },
+                Ok(None) => debug!("server clock probe: the write was not found; keeping the last estimate"),
+                Err(e) => debug!(error = %e, "server clock probe failed; keeping the last estimate (or the local clock)"),
+            }
+            if !act.promoting {
+                act.promoting = true;
+                act.promote(ctx);
+            }
+        }));
+    }
+
     fn promote(&mut self, ctx: &mut Context<Self>) {
         let Some(p) = self.promotion.clone() else { return };
+        let clock = self.clock;
         let fut = async move {
             let batch = p.broker.claim(&p.js_stream, &p.consumer, 256, Duration::from_secs(1)).await?;
             for d in batch {
-                promote_one(&p.broker, &p.subjects, d).await;
+                let now = clock.now(p.broker.system_now());
+                promote_one(&p.broker, &p.subjects, d, now).await;
             }
             BrokerResult::Ok(())
         };
@@ -221,10 +270,11 @@ fn judge_timer(subjects: &Subjects, h: &Headers, published: SystemTime, now: Sys
     }
 }
 
-/// Publishes one delayed message if it is due, else waits it out with a nak delay; an
-/// unusable one goes to the dead-letter stream.
-async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery) {
-    let target = match judge_timer(subjects, &d.headers, d.info.published, broker.system_now()) {
+/// Publishes one delayed message if it is due at `now` (the server's time, as
+/// estimated), else waits it out with a nak delay; an unusable one goes to the
+/// dead-letter stream.
+async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery, now: SystemTime) {
+    let target = match judge_timer(subjects, &d.headers, d.info.published, now) {
         TimerVerdict::Wait(wait) => {
             let _ = broker.ack(&d.token, AckKind::Nak(Some(wait))).await;
             return;
@@ -274,7 +324,10 @@ impl Actor for TimerService {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        self.promote(ctx);
+        if self.promotion.is_some() {
+            self.probe_clock(ctx);
+            ctx.run_interval(PROBE_INTERVAL, |act, ctx| act.probe_clock(ctx));
+        }
     }
 }
 
