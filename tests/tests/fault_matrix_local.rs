@@ -299,31 +299,78 @@ async fn a_drain_that_never_ends_names_the_stuck_partition_and_loses_nothing_aft
     );
 }
 
-/// The `faketime` command (Debian's `faketime` package). Clock-skew rows never skip:
-/// without it they fail, saying how to install it (`scripts/test` installs it).
-fn faketime(offset: &str) -> Vec<String> {
-    let found = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .chain([std::path::PathBuf::from("/usr/bin")])
-        .map(|d| d.join("faketime"))
+/// Debian's libfaketime (package `faketime`). Clock-skew rows never skip: without it
+/// they fail, saying how to install it (`scripts/test` installs it).
+///
+/// The library is preloaded into the node directly rather than through the
+/// `faketime` wrapper: the wrapper forks the node (so signals reach the wrapper, not
+/// the node) and names a semaphore after its own PID, which a wrapper killed earlier
+/// leaves behind in /dev/shm, so a later wrapper with a reused PID fails with
+/// "sem_open: File exists".
+fn libfaketime() -> String {
+    let found = ["/usr/lib/x86_64-linux-gnu/faketime", "/usr/lib/aarch64-linux-gnu/faketime", "/usr/lib/faketime"]
+        .iter()
+        .map(|d| std::path::Path::new(d).join("libfaketime.so.1"))
         .find(|p| p.is_file());
-    let Some(bin) = found else {
+    let Some(lib) = found else {
         panic!(
-            "faketime not found (CI={}): install it with `apt-get install -y faketime` (scripts/test does); \
+            "libfaketime not found (CI={}): install it with `apt-get install -y faketime` (scripts/test does); \
              the clock-skew tests never skip",
             std::env::var("CI").unwrap_or_default()
         );
     };
-    vec![bin.display().to_string(), "-f".into(), offset.into()]
+    lib.display().to_string()
 }
 
 /// A node whose wall clock is `offset` off (`+90s`, `-90s`); its monotonic clock is
 /// left alone, as on a real machine with a wrong time.
 fn skewed(offset: &str) -> Launch {
     Launch {
-        wrapper: faketime(offset),
-        env: vec![("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into())],
+        env: vec![
+            ("LD_PRELOAD".into(), libfaketime()),
+            ("FAKETIME".into(), offset.into()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+        ],
         ..Launch::default()
     }
+}
+
+/// `line` without terminal colour sequences (`ESC [ … m`), which node logs carry.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Waits until node `id` logged its estimate of the server clock, and checks that it
+/// runs `offset` off (`+90s` ahead: the server is 90 s behind it): the skew really is
+/// in effect, so a pass is not a node on the true clock.
+async fn assert_skewed(c: &RelayCluster, id: &str, offset: &str) {
+    c.wait_log(id, "delayed messages are timed on the server's", Duration::from_secs(20)).await;
+    let log = c.log_text(id);
+    let measured: i64 = log
+        .lines()
+        .find(|l| l.contains("delayed messages are timed on the server's"))
+        .map(strip_ansi)
+        .and_then(|l| l.split("offset_ms=").nth(1).map(str::to_owned))
+        .and_then(|v| v.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or_else(|| panic!("node {id} logged no offset_ms:{}", c.all_logs()));
+    let want: i64 = if offset.starts_with('+') { -90_000 } else { 90_000 };
+    assert!(
+        (measured - want).abs() < 2_000,
+        "node {id} under FAKETIME={offset} measured a server-clock offset of {measured} ms, not about {want} ms"
+    );
 }
 
 /// Row: clocks 90 s off either way. One node runs 90 s ahead, one 90 s behind, one
@@ -340,6 +387,8 @@ async fn clock_skew_of_90s_either_way_moves_leases_correctly_and_loses_nothing()
     c.add_with("ahead", skewed("+90s"));
     c.add_with("behind", skewed("-90s"));
     let owners = c.wait_balanced(&["n", "ahead", "behind"], Duration::from_secs(40)).await;
+    assert_skewed(&c, "ahead", "+90s").await;
+    assert_skewed(&c, "behind", "-90s").await;
     let feed = Feed::start(c.broker.clone(), 300);
     tokio::time::sleep(Duration::from_secs(3)).await;
     // The balance held under load: no lease moved between nodes that are all alive.
@@ -402,7 +451,7 @@ async fn delayed_outputs_fire_on_time_on_a_node_whose_clock_is_90s_off() {
         let id = format!("skewed{round}");
         c.add_with(&id, skewed(offset));
         c.wait_balanced(&[&id], Duration::from_secs(30)).await;
-        c.wait_log(&id, "delayed messages are timed on the server's", Duration::from_secs(20)).await;
+        assert_skewed(&c, &id, offset).await;
         let sent: Vec<(u64, Instant)> = (0..5u64).map(|k| (1000 * (round as u64 + 1) + k, Instant::now())).collect();
         for (id, _) in &sent {
             c.broker.publish(record_with(*id, &format!("later:{}", delay.as_millis()))).await.expect("publish");
