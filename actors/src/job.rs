@@ -374,10 +374,18 @@ impl Job {
     /// Validates the job and creates what it needs on the broker: its dead-letter
     /// stream, declared outputs, and each input's stream and consumers. Idempotent;
     /// refuses (changing nothing) when something exists with another configuration.
+    /// Errors that pass (the broker unreachable, a peer of a NATS cluster offline or
+    /// still joining) are retried with backoff for up to 30 s.
     ///
     /// # Errors
     /// [`JobError`] for bad names or settings, or when the broker refuses.
     pub async fn provision(&self, broker: SharedBroker) -> Result<(), JobError> {
+        // A replicated stream cannot be placed while a peer is still joining or away:
+        // such passing errors are retried for a while (see `patiently`).
+        patiently("provision the job's streams", || self.provision_once(broker.clone())).await
+    }
+
+    async fn provision_once(&self, broker: SharedBroker) -> Result<(), JobError> {
         self.validate()?;
         let subjects = Subjects::new(JobName::new(self.name.clone())?);
         let r = self.replicas;
@@ -498,7 +506,7 @@ impl Job {
         if node.is_empty() || !node.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
             return Err(JobError::NodeIdInvalid(node.to_owned()));
         }
-        patiently("provision the job's streams", || self.provision(broker.clone())).await?;
+        self.provision(broker.clone()).await?;
         // A claim sent just before a partition's fence closes must end on the server
         // before the lease can expire (at a third of the TTL after the fence), or it
         // could take messages from the next owner's consumer.

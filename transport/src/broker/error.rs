@@ -182,6 +182,11 @@ pub enum BrokerError {
     },
 }
 
+/// JetStream API error codes that mean the cluster cannot place or serve a request for
+/// now: 10005 "no suitable peers for placement" (a peer offline), 10008 "JetStream
+/// system temporarily unavailable".
+const CLUSTER_UNAVAILABLE_CODES: [u64; 2] = [10005, 10008];
+
 /// JetStream error codes that mean the server's store is full: 10023 insufficient
 /// resources (the server's `max_file_store`/`max_memory_store` reached), 10047
 /// insufficient storage resources, 10028 insufficient memory resources.
@@ -241,6 +246,16 @@ impl BrokerError {
         if STORAGE_FULL_CODES.contains(&err_code) || description.contains("no space left on device") {
             return Some(BrokerError::StorageFull { operation: operation.to_owned(), reason: reason() });
         }
+        // The cluster cannot place or serve the request right now: a peer is offline
+        // or still joining (as just after a cluster starts), or the meta leader is
+        // being elected. Retried with backoff; a cluster too small for the replicas
+        // asked for keeps failing and is reported when the caller's patience ends.
+        if CLUSTER_UNAVAILABLE_CODES.contains(&err_code)
+            || description.contains("no suitable peers")
+            || description.contains("temporarily unavailable")
+        {
+            return Some(BrokerError::ServerUnavailable { operation: operation.to_owned(), reason: reason() });
+        }
         None
     }
 
@@ -295,5 +310,12 @@ mod tests {
         assert!(matches!(enospc, Some(BrokerError::StorageFull { .. })), "{enospc:?}");
         assert!(BrokerError::from_js_api("publish", 503, 10077, "maximum messages exceeded").is_none());
         assert!(BrokerError::from_js_api("publish", 400, 10071, "wrong last sequence: 9").is_none());
+        for (code, err_code, description) in [
+            (400, 10005, "no suitable peers for placement, peer offline"),
+            (503, 10008, "JetStream system temporarily unavailable"),
+        ] {
+            let e = BrokerError::from_js_api("create stream S", code, err_code, description).expect("classified");
+            assert!(matches!(e, BrokerError::ServerUnavailable { .. }) && e.is_transient(), "{e}");
+        }
     }
 }
