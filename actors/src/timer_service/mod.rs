@@ -83,7 +83,13 @@ pub struct TimerService {
     clock: ServerClock,
     /// Whether the promotion loop runs (it starts after the first clock probe).
     promoting: bool,
+    /// Probes retried soon after a failed one, since the last good one.
+    quick_probes: u32,
 }
+
+/// How many times in a row a failed clock probe is retried soon, and how soon.
+const QUICK_PROBES: u32 = 5;
+const QUICK_PROBE_DELAY: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 struct Timer {
@@ -114,16 +120,37 @@ impl TimerService {
             BrokerResult::Ok(stored.map(|m| Probe { sent, received, server: m.published }))
         };
         ctx.spawn(fut.into_actor(self).map(|probe, act, ctx| {
-            match probe {
+            let observed = match probe {
                 Ok(Some(probe)) => match act.clock.observe(&probe) {
                     Some(offset_ms) if offset_ms.abs() >= 1000 => {
-                        info!(offset_ms, "this node's clock differs from the NATS server's: delayed messages are timed on the server's")
+                        info!(offset_ms, "this node's clock differs from the NATS server's: delayed messages are timed on the server's");
+                        true
                     }
-                    Some(offset_ms) => debug!(offset_ms, "server clock probed"),
-                    None => debug!(?probe, "server clock probe unusable (slow round trip or a clock step)"),
+                    Some(offset_ms) => {
+                        debug!(offset_ms, "server clock probed");
+                        true
+                    }
+                    None => {
+                        debug!(?probe, "server clock probe unusable (slow round trip or a clock step)");
+                        false
+                    }
                 },
-                Ok(None) => debug!("server clock probe: the write was not found; keeping the last estimate"),
-                Err(e) => debug!(error = %e, "server clock probe failed; keeping the last estimate (or the local clock)"),
+                Ok(None) => {
+                    debug!("server clock probe: the write was not found; keeping the last estimate");
+                    false
+                }
+                Err(e) => {
+                    debug!(error = %e, "server clock probe failed; keeping the last estimate (or the local clock)");
+                    false
+                }
+            };
+            // A probe that failed (a busy server, a slow round trip) is tried again
+            // soon, a few times, rather than a minute later.
+            if observed {
+                act.quick_probes = 0;
+            } else if act.quick_probes < QUICK_PROBES {
+                act.quick_probes += 1;
+                ctx.run_later(QUICK_PROBE_DELAY, |act, ctx| act.probe_clock(ctx));
             }
             if !act.promoting {
                 act.promoting = true;
