@@ -58,6 +58,34 @@ pub enum Event {
         /// Messages waiting across the job's inputs on this node.
         total_backlog: u64,
     },
+    /// A partition's stores were restored from the changelog; it processes from here.
+    StateRestored {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// Keys restored, over all stores.
+        keys: u64,
+        /// The input position the state reflects (inputs up to it are skipped).
+        position: u64,
+        /// Keys whose latest record belonged to a flush that never completed (their
+        /// committed value was taken).
+        incomplete: u64,
+        /// How long the restore took, in milliseconds.
+        millis: u64,
+    },
+    /// A partition's stores could not be restored: the partition is held, and nothing
+    /// is processed until they are.
+    StateRestoreFailed {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// Why.
+        error: String,
+        /// When the next attempt is, in milliseconds (0: none, the task failed).
+        retry_in_ms: u64,
+    },
     /// The backlog is back under the threshold.
     Recovered {
         /// Messages waiting across the job's inputs on this node.
@@ -75,6 +103,8 @@ impl Event {
             Event::QueueAvailable { .. } => "queue_available",
             Event::Degraded { .. } => "degraded",
             Event::Recovered { .. } => "recovered",
+            Event::StateRestored { .. } => "state_restored",
+            Event::StateRestoreFailed { .. } => "state_restore_failed",
         }
     }
 }
@@ -83,7 +113,7 @@ impl Event {
 pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
     let kind = event.type_name();
     match &event {
-        Event::QueueAvailable { .. } | Event::Recovered { .. } => {
+        Event::QueueAvailable { .. } | Event::Recovered { .. } | Event::StateRestored { .. } => {
             info!(event = kind, detail = ?event, "flotilla event")
         }
         _ => warn!(event = kind, detail = ?event, "flotilla event"),

@@ -8,6 +8,8 @@
 //! | point | where |
 //! |---|---|
 //! | `effects-stored-before-ack` | a task worker has its outputs' publish acks back and is about to acknowledge the input: ordered inputs before the cumulative ack of a commit, queue inputs before the message's ack |
+//! | `state-records-stored` | a task with stores has written a flush's changelog records and not yet its commit record |
+//! | `state-committed-before-ack` | a task with stores has written a flush's commit record and not yet acknowledged the inputs it covers |
 //!
 //! A value that does not parse is reported once (a warning) and arms nothing.
 
@@ -22,6 +24,10 @@ pub const ENV: &str = "FLOTILLA_FAILPOINT";
 pub enum Point {
     /// Outputs stored, input not yet acknowledged.
     EffectsStoredBeforeAck,
+    /// A state flush's records stored, its commit record not yet written.
+    StateRecordsStored,
+    /// A state flush's commit record stored, its inputs not yet acknowledged.
+    StateCommittedBeforeAck,
 }
 
 impl Point {
@@ -29,11 +35,15 @@ impl Point {
     pub fn name(self) -> &'static str {
         match self {
             Point::EffectsStoredBeforeAck => "effects-stored-before-ack",
+            Point::StateRecordsStored => "state-records-stored",
+            Point::StateCommittedBeforeAck => "state-committed-before-ack",
         }
     }
 
     fn from_name(name: &str) -> Option<Self> {
-        [Point::EffectsStoredBeforeAck].into_iter().find(|p| p.name() == name)
+        [Point::EffectsStoredBeforeAck, Point::StateRecordsStored, Point::StateCommittedBeforeAck]
+            .into_iter()
+            .find(|p| p.name() == name)
     }
 }
 
@@ -51,11 +61,15 @@ pub struct Spec {
 /// # Errors
 /// What is wrong with it, naming the known points.
 pub fn parse(value: &str) -> Result<Spec, String> {
-    let known = || Point::EffectsStoredBeforeAck.name();
+    let known = || {
+        [Point::EffectsStoredBeforeAck, Point::StateRecordsStored, Point::StateCommittedBeforeAck]
+            .map(Point::name)
+            .join(", ")
+    };
     let (name, n) = value
         .trim()
         .split_once(':')
-        .ok_or_else(|| format!("{ENV}={value:?}: write <point>:<n>, e.g. {}:3", known()))?;
+        .ok_or_else(|| format!("{ENV}={value:?}: write <point>:<n>, e.g. effects-stored-before-ack:3"))?;
     let point = Point::from_name(name)
         .ok_or_else(|| format!("{ENV}={value:?}: unknown point {name:?} (known: {})", known()))?;
     match n.parse::<u64>() {

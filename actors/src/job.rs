@@ -111,6 +111,8 @@ type Starter = Rc<dyn Fn(Rc<TaskEnv>, Binding, TaskConfig, SlotContext) -> Worke
 
 struct TaskEntry {
     stream: &'static str,
+    /// The task's stores, made anew for each of its workers.
+    stores: Rc<std::cell::RefCell<Vec<crate::store::StoreMaker>>>,
     kind: StreamKind,
     type_name: &'static str,
     config: TaskConfig,
@@ -159,9 +161,14 @@ impl Job {
     /// partition) or, for a queue input, one per node (given `None`).
     pub fn task<T: Task, F: Fn(Option<u32>) -> T + 'static>(mut self, input: StreamDef<T::Input>, factory: F) -> Self {
         let factory = Rc::new(factory);
-        let starter: Starter = Rc::new(move |env, binding, config, sc: SlotContext| {
+        let stores: Rc<std::cell::RefCell<Vec<crate::store::StoreMaker>>> = Rc::default();
+        let makers = stores.clone();
+        let starter: Starter = Rc::new(move |env: Rc<TaskEnv>, binding, config, sc: SlotContext| {
             let task = factory(binding.partition);
-            let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper).start();
+            let set = crate::store::StoreSet::new(&makers.borrow(), env.codec.clone());
+            let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper)
+                .with_stores(set)
+                .start();
             WorkerHandle {
                 deliver: worker.clone().recipient(),
                 stop: worker.clone().recipient(),
@@ -170,11 +177,46 @@ impl Job {
         });
         self.tasks.push(TaskEntry {
             stream: input.name(),
+            stores,
             kind: input.kind(),
             type_name: input.type_name(),
             config: TaskConfig::default(),
             starter,
         });
+        self
+    }
+
+    /// Gives the task added last a durable key-value store (see
+    /// [`TaskContext::store`](crate::TaskContext::store) and `docs/state.md`). Its
+    /// changes are written to the job's changelog with each commit, before the inputs
+    /// they reflect are acknowledged; whoever owns the partition next restores it
+    /// before processing. Needs an ordered input and no async commit.
+    pub fn store<K: crate::store::StoreKey, V: crate::store::StoreValue>(
+        mut self,
+        def: crate::store::StoreDef<K, V>,
+    ) -> Self {
+        if let Some(problem) = crate::store::name_problem(def.name()) {
+            self.errors.push(problem);
+        }
+        match self.tasks.last() {
+            None => self.errors.push(format!(
+                "store {} was declared before any .task(...): stores belong to the task added last",
+                def.name()
+            )),
+            Some(t) if !matches!(t.kind, StreamKind::Ordered { .. }) => self.errors.push(format!(
+                "store {} belongs to the task of queue input {}: stores move with ordered partitions, so give it an ordered input",
+                def.name(),
+                t.stream
+            )),
+            Some(t) => {
+                let mut makers = t.stores.borrow_mut();
+                if makers.iter().any(|m| m().name() == def.name()) {
+                    self.errors.push(format!("store {} is declared twice for input {}", def.name(), t.stream));
+                } else {
+                    makers.push(crate::store::maker(def));
+                }
+            }
+        }
         self
     }
 
@@ -367,6 +409,12 @@ impl Job {
                 )));
             }
             t.config.validate(t.stream)?;
+            if !t.stores.borrow().is_empty() && t.config.async_commit {
+                return Err(misconfigured(format!(
+                    "the task of {} has stores and async commit: a commit must see the state of exactly the inputs it acknowledges; turn async_commit off",
+                    t.stream
+                )));
+            }
         }
         Ok(())
     }
@@ -396,6 +444,9 @@ impl Job {
         broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
         if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
             broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None).with_replicas(r)).await?;
+        }
+        if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
+            broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;
         }
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;

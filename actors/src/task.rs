@@ -446,6 +446,8 @@ pub struct TaskContext {
     pub(crate) requests: Requests,
     pub(crate) deferred: Option<LocalBoxFuture<'static, Result<(), TaskError>>>,
     pub(crate) timers: Vec<(String, Duration)>,
+    /// The partition's stores (tasks that declared some).
+    pub(crate) stores: Option<Rc<RefCell<crate::store::StoreSet>>>,
 }
 
 impl std::fmt::Debug for TaskContext {
@@ -468,6 +470,42 @@ impl TaskContext {
             requests: Requests::default(),
             deferred: None,
             timers: Vec::new(),
+            stores: None,
+        }
+    }
+
+    /// The same context whose outputs derive their ids from `cause` (hooks of ordered
+    /// partitions: see the worker's `hook_cause`).
+    pub(crate) fn with_cause(mut self, cause: MessageId) -> Self {
+        self.outputs.cause = Some(cause);
+        self
+    }
+
+    /// The same context with the partition's stores.
+    pub(crate) fn with_stores(mut self, stores: Option<Rc<RefCell<crate::store::StoreSet>>>) -> Self {
+        self.stores = stores;
+        self
+    }
+
+    /// The task's store `def` (declared on the job with [`Job::store`](crate::Job::store)).
+    /// Reads and writes hit memory; a callback's writes are undone when it fails, and
+    /// are written to the changelog with the next commit, before the inputs they
+    /// reflect are acknowledged. After a move or a crash the partition's next owner
+    /// restores them before it processes anything.
+    ///
+    /// # Errors
+    /// [`TaskError::Fatal`] when the store is not declared for this task, or declared
+    /// with other types.
+    pub fn store<K: crate::store::StoreKey, V: crate::store::StoreValue>(
+        &self,
+        def: &crate::store::StoreDef<K, V>,
+    ) -> Result<crate::store::Store<'_, K, V>, TaskError> {
+        match &self.stores {
+            Some(set) => crate::store::Store::open(set, def),
+            None => Err(TaskError::fatal(format!(
+                "store {:?} is not declared for this task: add .store(..) after its .task(...) on the job (stores need an ordered input)",
+                def.name()
+            ))),
         }
     }
 

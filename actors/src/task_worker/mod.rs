@@ -36,6 +36,7 @@
 //! by the task's [`FailurePolicy`](crate::config::FailurePolicy), what a failed worker
 //! means: the worker itself hands back everything it holds (nak without delay) and stops.
 
+mod changelog;
 mod core;
 mod messages;
 
@@ -56,8 +57,10 @@ use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, Error
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -136,6 +139,9 @@ struct Envelope {
     dead_letter: Option<(&'static str, String)>,
     /// Retries because something was unavailable (not counted as attempts).
     unavailable: u32,
+    /// Its `process` returned and its store changes are applied (tasks with stores):
+    /// from here on it cannot be retried, only finished or restored from the changelog.
+    applied: bool,
 }
 
 /// Outputs waiting to be published, and what they belong to.
@@ -198,6 +204,28 @@ struct Claimed {
 /// (`Err` when it panicked).
 type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Panic>);
 
+/// What follows a commit whose state flush is on its way.
+enum AfterCommit {
+    /// Go on processing.
+    Drive,
+    /// Hand back what has not started and end with this outcome (drain, end of stream).
+    Finish(Outcome),
+    /// Run the `shutdown` hook (a graceful stop).
+    Shutdown,
+}
+
+/// A partition's durable state: its stores, and their changelog once restored.
+struct Durable {
+    stores: Rc<RefCell<crate::store::StoreSet>>,
+    changelog: Option<changelog::Changelog>,
+    /// Restore failures in a row.
+    restore_failures: u32,
+    /// A flush is being written.
+    persisting: bool,
+    /// A commit waits for messages whose changes are applied to finish.
+    waiting: Option<AfterCommit>,
+}
+
 /// Which hook a non-process operation runs.
 enum Hook {
     Init,
@@ -252,6 +280,16 @@ pub struct TaskWorker<T: Task> {
     commit_tick_armed: bool,
     /// A heartbeat tick is on its way (armed while messages are held).
     heartbeat_armed: bool,
+    /// Output batches published and not yet stored (or given up).
+    flushes_in_flight: usize,
+    /// Tasks with stores (ordered inputs).
+    durable: Option<Durable>,
+    /// Inputs up to this stream sequence are applied (with stores: to the restored
+    /// state already, so they are skipped when they come again).
+    applied_through: u64,
+    /// Ordered hooks derive their outputs' ids from the input position they ran at
+    /// and how many hooks ran there before.
+    hook_at: (u64, u32),
 }
 
 impl<T: Task> std::fmt::Debug for TaskWorker<T> {
@@ -302,6 +340,36 @@ impl<T: Task> TaskWorker<T> {
             completed: 0,
             commit_tick_armed: false,
             heartbeat_armed: false,
+            flushes_in_flight: 0,
+            durable: None,
+            applied_through: 0,
+            hook_at: (0, 0),
+        }
+    }
+
+    /// The same worker keeping `stores` durable (ordered inputs; ignored when empty).
+    #[must_use]
+    pub fn with_stores(mut self, stores: crate::store::StoreSet) -> Self {
+        if !stores.is_empty() && self.binding.ordered() {
+            self.durable = Some(Durable {
+                stores: Rc::new(RefCell::new(stores)),
+                changelog: None,
+                restore_failures: 0,
+                persisting: false,
+                waiting: None,
+            });
+        }
+        self
+    }
+
+    fn stores(&self) -> Option<Rc<RefCell<crate::store::StoreSet>>> {
+        self.durable.as_ref().map(|d| d.stores.clone())
+    }
+
+    /// Ends a callback in the stores: keeps or undoes its changes.
+    fn end_callback(&self, keep: bool) {
+        if let Some(d) = &self.durable {
+            d.stores.borrow_mut().end_callback(keep);
         }
     }
 
@@ -339,12 +407,266 @@ impl<T: Task> TaskWorker<T> {
     }
 
     fn context(&self, meta: Option<MessageMeta>) -> TaskContext {
-        TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta)
+        TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta).with_stores(self.stores())
+    }
+
+    /// The id a hook's outputs derive theirs from, on an ordered partition: from the
+    /// partition, the hook, the input position it ran at and how many hooks ran there
+    /// before, so that a hook run again at the same position after a crash (on the
+    /// same state, restored) sends outputs with the same ids, which the broker drops.
+    fn hook_cause(&mut self, kind: HookKind) -> Option<MessageId> {
+        let partition = self.binding.partition?;
+        let position = self.applied_through;
+        let n = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
+        self.hook_at = (position, n + 1);
+        let base =
+            MessageId::from_wire(format!("hook/{}/{partition}/{}/{position}", self.binding.stream, kind.label()));
+        Some(base.derive_output(n))
+    }
+
+    /// Reads the partition's stores back from the changelog and claims it, then runs
+    /// `init`. Until then nothing is processed. A failure holds the partition (retried
+    /// with backoff, an event each time) and never starts it empty; a changelog that
+    /// does not decode (a type changed) fails the task, naming the store and key.
+    fn restore(&mut self, ctx: &mut Context<Self>) {
+        let Some(partition) = self.binding.partition else { return };
+        let bucket = self.env.subjects.bucket_name(crate::store::STATE);
+        let prefix = format!("{}.{partition}", self.binding.stream);
+        let started = Instant::now();
+        let fut = changelog::restore(self.env.broker.clone(), bucket, prefix, self.binding.epoch);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            if act.finished {
+                return;
+            }
+            match result {
+                Ok(restored) => act.restored(partition, restored, started, ctx),
+                Err(changelog::StateError::Corrupt(e)) => act.restore_failed(partition, e, ctx),
+                Err(e) => {
+                    let Some(d) = &mut act.durable else { return };
+                    d.restore_failures += 1;
+                    let delay = unavailable_backoff(d.restore_failures);
+                    warn!(stream = act.binding.stream, partition, error = %e, ?delay, "state not restored: holding the partition and trying again");
+                    emit(
+                        &act.env.broker,
+                        &act.env.subjects,
+                        Event::StateRestoreFailed {
+                            stream: act.binding.stream.to_owned(),
+                            partition,
+                            error: e.to_string(),
+                            retry_in_ms: delay.as_millis() as u64,
+                        },
+                    );
+                    ctx.run_later(delay, |act, ctx| act.restore(ctx));
+                }
+            }
+        }));
+    }
+
+    /// The changelog cannot be read into the stores: the task fails (never starts empty).
+    fn restore_failed(&mut self, partition: u32, error: String, ctx: &mut Context<Self>) {
+        emit(
+            &self.env.broker,
+            &self.env.subjects,
+            Event::StateRestoreFailed {
+                stream: self.binding.stream.to_owned(),
+                partition,
+                error: error.clone(),
+                retry_in_ms: 0,
+            },
+        );
+        self.fail(format!("state restore: {error}"), ctx);
+    }
+
+    fn restored(&mut self, partition: u32, restored: changelog::Restored, started: Instant, ctx: &mut Context<Self>) {
+        let Some(d) = &mut self.durable else { return };
+        let stream = self.binding.stream;
+        let mut unknown = std::collections::BTreeSet::new();
+        let mut failed = None;
+        let keys = {
+            let mut stores = d.stores.borrow_mut();
+            let codec = *stores.codec();
+            for key in &restored.keys {
+                match stores.get_mut(&key.store) {
+                    Some(store) => {
+                        if let Err(e) = store.restore(&codec, &key.key_hex, key.value.as_ref(), key.revision) {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    None => {
+                        unknown.insert(key.store.clone());
+                    }
+                }
+            }
+            stores.len() as u64
+        };
+        if let Some(e) = failed {
+            self.restore_failed(partition, e, ctx);
+            return;
+        }
+        if !unknown.is_empty() {
+            warn!(stream, partition, stores = ?unknown, "the changelog holds stores this task does not declare: left as they are");
+        }
+        let position = restored.changelog.commit.position;
+        d.changelog = Some(restored.changelog);
+        d.restore_failures = 0;
+        self.applied_through = position;
+        self.hook_at = (position, 0);
+        emit(
+            &self.env.broker,
+            &self.env.subjects,
+            Event::StateRestored {
+                stream: stream.to_owned(),
+                partition,
+                keys,
+                position,
+                incomplete: restored.incomplete,
+                millis: started.elapsed().as_millis() as u64,
+            },
+        );
+        self.run_hook(Hook::Init, ctx);
+        self.drive(ctx);
+    }
+
+    /// Commits, then does `then`. With stores, the commit first writes what changed to
+    /// the changelog (records, then the commit record) and acknowledges the inputs only
+    /// once that is stored; it first waits for messages whose changes are applied but
+    /// whose outputs are not stored yet, so the state it writes is that of exactly the
+    /// inputs it acknowledges.
+    fn commit_then(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        let Some(d) = &mut self.durable else {
+            let positions = self.state.committable().clone();
+            self.commit_positions(positions);
+            self.after_commit(then, ctx);
+            return;
+        };
+        if self.inflight.values().any(|e| e.applied) {
+            d.waiting = Some(then);
+            return;
+        }
+        let Some(log) = &d.changelog else {
+            // Not restored: nothing was processed, nothing to commit.
+            self.after_commit(then, ctx);
+            return;
+        };
+        let positions = self.state.committable().clone();
+        let position = positions
+            .get(&0)
+            .and_then(|&pos| self.claimed.range(..=pos).next_back())
+            .map_or(0, |(_, c)| c.seq)
+            .max(log.commit.position);
+        let codec = *d.stores.borrow().codec();
+        let mut changes = Vec::new();
+        let mut failed = None;
+        for store in d.stores.borrow_mut().iter_mut() {
+            match store.take_changes(&codec) {
+                Ok(c) => changes.extend(c),
+                Err(e) => failed = Some(e),
+            }
+        }
+        let flush = match failed {
+            Some(e) => Err(e),
+            None if changes.is_empty() && position == log.commit.position => {
+                self.commit_positions(positions);
+                self.after_commit(then, ctx);
+                return;
+            }
+            None => changelog::build_flush(log, changes, position, self.binding.epoch),
+        };
+        match flush {
+            Ok(flush) => {
+                d.persisting = true;
+                self.persist(Arc::new(flush), positions, then, 0, ctx);
+            }
+            Err(e) => self.fail(format!("state not stored: {e}"), ctx),
+        }
+    }
+
+    fn persist(
+        &mut self,
+        flush: Arc<changelog::Flush>,
+        positions: BTreeMap<u32, u64>,
+        then: AfterCommit,
+        attempt: u32,
+        ctx: &mut Context<Self>,
+    ) {
+        if self.binding.fenced() {
+            self.abort_fenced(ctx);
+            return;
+        }
+        let bucket = self.env.subjects.bucket_name(crate::store::STATE);
+        let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone());
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            if act.finished {
+                return;
+            }
+            match result {
+                Ok(persisted) => {
+                    let Some(d) = &mut act.durable else { return };
+                    {
+                        let mut stores = d.stores.borrow_mut();
+                        for (store, key_hex, revision) in &persisted.revisions {
+                            if let Some(s) = stores.get_mut(store) {
+                                s.stored(key_hex, *revision);
+                            }
+                        }
+                    }
+                    if let Some(log) = &mut d.changelog {
+                        log.commit = flush.commit.clone();
+                        log.commit_revision = persisted.commit_revision;
+                    }
+                    d.persisting = false;
+                    crate::failpoint::hit(crate::failpoint::Point::StateCommittedBeforeAck);
+                    act.commit_positions(positions);
+                    act.after_commit(then, ctx);
+                }
+                Err(changelog::StateError::Broker(e))
+                    if e.class() == ErrorClass::Transient && attempt < act.config.unavailable_retries =>
+                {
+                    let delay = unavailable_backoff(attempt + 1);
+                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
+                    ctx.run_later(delay, move |act, ctx| act.persist(flush, positions, then, attempt + 1, ctx));
+                }
+                Err(e) => {
+                    if let Some(d) = &mut act.durable {
+                        d.persisting = false;
+                    }
+                    act.fail(format!("state not stored: {e}; the partition restarts from its last commit"), ctx);
+                }
+            }
+        }));
+    }
+
+    fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        match then {
+            AfterCommit::Drive => self.drive(ctx),
+            AfterCommit::Finish(outcome) => {
+                self.hand_back_unstarted();
+                self.finish(outcome, ctx);
+            }
+            AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
+        }
+    }
+
+    /// Whether a commit of a task with stores is on its way.
+    fn state_busy(&self) -> bool {
+        self.durable.as_ref().is_some_and(|d| d.persisting || d.waiting.is_some())
+    }
+
+    /// A commit that waited for applied messages goes on once none is left.
+    fn resume_waiting_commit(&mut self, ctx: &mut Context<Self>) {
+        if self.inflight.values().any(|e| e.applied) {
+            return;
+        }
+        if let Some(then) = self.durable.as_mut().and_then(|d| d.waiting.take()) {
+            self.commit_then(then, ctx);
+        }
     }
 
     /// Runs the next operations the state machine allows while the task is home, then
     /// sends what the turn queued.
     fn drive(&mut self, ctx: &mut Context<Self>) {
+        self.resume_waiting_commit(ctx);
         self.drive_ops(ctx);
         self.send_batched();
         self.arm_ticks();
@@ -384,6 +706,19 @@ impl<T: Task> TaskWorker<T> {
                 self.abort_fenced(ctx);
                 return;
             }
+            if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
+                // Restoring: nothing runs before the state is back.
+                if self.stopping {
+                    self.release_all();
+                    self.finish(self.stopped_outcome(), ctx);
+                }
+                return;
+            }
+            if self.state_busy() {
+                // A commit's flush is on its way: what it acknowledges is fixed, and a
+                // retry would change the state it writes.
+                return;
+            }
             if let Some(order) = self.retries.pop_front() {
                 self.start_attempt(order, ctx);
                 continue;
@@ -401,10 +736,20 @@ impl<T: Task> TaskWorker<T> {
                         started: None,
                         dead_letter: None,
                         unavailable: 0,
+                        applied: false,
                     };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     let seq = envelope.delivery.info.stream_seq;
                     self.inflight.insert(p.order, Envelope { attempt, ..envelope });
+                    if self.durable.is_some() && seq <= self.applied_through {
+                        // The restored state reflects it already: it was processed,
+                        // its outputs stored and its changes committed; only its
+                        // acknowledgement was lost.
+                        debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, "skipping an input the restored state reflects");
+                        self.process_done(p.order);
+                        self.flushed(FlushTarget::Message(p.order), ctx);
+                        continue;
+                    }
                     if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
                         self.count_suspect(p.order, seq, ctx);
                     } else {
@@ -622,6 +967,12 @@ impl<T: Task> TaskWorker<T> {
     fn processed(&mut self, order: u64, (task, mut tctx, result): Processed<T>, ctx: &mut Context<Self>) {
         self.task = Some(task);
         self.apply_requests(&mut tctx);
+        let ok = matches!(result, Ok(Ok(())));
+        self.end_callback(ok);
+        if ok && let Some(e) = self.inflight.get_mut(&order) {
+            e.applied = self.durable.is_some();
+            self.applied_through = self.applied_through.max(e.delivery.info.stream_seq);
+        }
         match result {
             Ok(Ok(())) => {
                 let deferred = tctx.deferred.take();
@@ -674,6 +1025,16 @@ impl<T: Task> TaskWorker<T> {
             Some(fut) => {
                 let fut = Supervised::new(fut);
                 ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+                    if act.durable.is_some() && !matches!(result, Ok(Ok(()))) {
+                        // Its store changes are applied: a retry would apply them twice.
+                        let why = match &result {
+                            Ok(Err(e)) => e.to_string(),
+                            Err(panic) => format!("panicked: {}", panic_text(panic)),
+                            Ok(Ok(())) => String::new(),
+                        };
+                        act.fail(format!("deferred work of a message failed after its store changes were applied ({why}); the partition restarts from its last commit"), ctx);
+                        return;
+                    }
                     match result {
                         Ok(Ok(())) => {
                             act.process_done(order);
@@ -721,6 +1082,7 @@ impl<T: Task> TaskWorker<T> {
             self.flushed(flush.target, ctx);
             return;
         }
+        self.flushes_in_flight += 1;
         self.publish_queue.push_back(flush);
         self.pump_publish(ctx);
     }
@@ -743,7 +1105,10 @@ impl<T: Task> TaskWorker<T> {
                 Ok(stored) => {
                     ctx.spawn(stored.into_actor(act).map(move |stored, act, ctx| {
                         match stored {
-                            Ok(()) => act.flushed(flush.target, ctx),
+                            Ok(()) => {
+                                act.flushes_in_flight = act.flushes_in_flight.saturating_sub(1);
+                                act.flushed(flush.target, ctx)
+                            }
                             Err(err) => act.flush_failed(flush, err, ctx),
                         }
                         act.drive(ctx);
@@ -770,6 +1135,14 @@ impl<T: Task> TaskWorker<T> {
                 act.publish_queue.push_front(flush);
                 act.pump_publish(ctx);
             });
+            return;
+        }
+        self.flushes_in_flight = self.flushes_in_flight.saturating_sub(1);
+        if let FlushTarget::Message(order) = flush.target
+            && self.inflight.get(&order).is_some_and(|e| e.applied)
+        {
+            // Its store changes are applied: a retry would apply them twice.
+            self.fail(format!("outputs of a message not stored after its store changes were applied ({err}); the partition restarts from its last commit"), ctx);
             return;
         }
         match flush.target {
@@ -923,8 +1296,6 @@ impl<T: Task> TaskWorker<T> {
     /// Runs a hook with the task checked out; its outputs are stored before the
     /// operation counts as done.
     fn run_hook(&mut self, hook: Hook, ctx: &mut Context<Self>) {
-        let Some(mut task) = self.task.take() else { return };
-        let mut tctx = self.context(None);
         let kind = match &hook {
             Hook::Init => HookKind::Init,
             Hook::Window => HookKind::Window,
@@ -934,6 +1305,11 @@ impl<T: Task> TaskWorker<T> {
             Hook::EndOfStream => HookKind::EndOfStream,
             Hook::Shutdown => HookKind::Shutdown,
         };
+        let Some(mut task) = self.task.take() else { return };
+        let mut tctx = self.context(None);
+        if let Some(cause) = self.hook_cause(kind) {
+            tctx = tctx.with_cause(cause);
+        }
         let label = kind.label();
         let fut = async move {
             let result = Supervised::new(async {
@@ -958,6 +1334,7 @@ impl<T: Task> TaskWorker<T> {
         ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
             act.task = Some(task);
             act.apply_requests(&mut tctx);
+            act.end_callback(matches!(result, Ok(Ok(()))));
             let result = match result {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(format!("{label}: {e}")),
@@ -979,11 +1356,13 @@ impl<T: Task> TaskWorker<T> {
             HookKind::Init => {}
             HookKind::Window => self.state.window_done(),
             HookKind::Timers => self.state.timer_done(),
-            HookKind::Commit => self.commit_positions(),
+            HookKind::Commit => {
+                self.commit_then(AfterCommit::Drive, ctx);
+                return;
+            }
             HookKind::Drain | HookKind::EndOfStream => {
-                self.commit_positions();
-                self.hand_back_unstarted();
-                self.finish(if kind == HookKind::Drain { Outcome::Drained } else { Outcome::EndOfStream }, ctx);
+                let outcome = if kind == HookKind::Drain { Outcome::Drained } else { Outcome::EndOfStream };
+                self.commit_then(AfterCommit::Finish(outcome), ctx);
                 return;
             }
             HookKind::Shutdown => {
@@ -994,13 +1373,13 @@ impl<T: Task> TaskWorker<T> {
         self.drive(ctx);
     }
 
-    /// Acknowledges everything up to the committable positions.
-    fn commit_positions(&mut self) {
+    /// Acknowledges everything up to `positions` (the state machine's committable
+    /// positions when the commit began).
+    fn commit_positions(&mut self, positions: BTreeMap<u32, u64>) {
         if self.binding.fenced() {
             // Another node may own the partition now: acking here could skip its work.
             return;
         }
-        let positions = self.state.committable().clone();
         let mut count = 0;
         if let Some(&pos) = positions.get(&0) {
             let rest = self.claimed.split_off(&(pos + 1));
@@ -1031,8 +1410,12 @@ impl<T: Task> TaskWorker<T> {
         }
         warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "task failed");
         // Keep what is done: commit the completed prefix before handing the rest back.
-        if self.state.uncommitted() {
-            self.commit_positions();
+        // Not with stores: the state in memory may hold changes of messages not
+        // finished, and acknowledging without writing it would lose the rest; the next
+        // owner restores the last commit and skips what it reflects.
+        if self.state.uncommitted() && self.durable.is_none() {
+            let positions = self.state.committable().clone();
+            self.commit_positions(positions);
         }
         self.state.fail(reason.clone());
         emit(
@@ -1171,11 +1554,18 @@ impl<T: Task> TaskWorker<T> {
 
     /// While stopping: once nothing is in flight, commit, run `shutdown`, finish.
     fn try_finish_stop(&mut self, ctx: &mut Context<Self>) {
-        if self.finished || self.task.is_none() || !self.inflight.is_empty() {
+        // Outputs of a hook (a window) still on their way: a stop runs no half-done
+        // window, so the commit waits for them.
+        if self.finished || self.task.is_none() || !self.inflight.is_empty() || self.flushes_in_flight > 0 {
             return;
         }
-        if self.state.uncommitted() {
-            self.commit_positions();
+        if self.state_busy() {
+            return;
+        }
+        let changed = self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes());
+        if self.state.uncommitted() || changed {
+            self.commit_then(AfterCommit::Shutdown, ctx);
+            return;
         }
         self.run_hook(Hook::Shutdown, ctx);
     }
@@ -1216,6 +1606,10 @@ impl<T: Task> Actor for TaskWorker<T> {
         if let Some(timeout) = self.config.callback_timeout {
             let every = (timeout / 4).max(Duration::from_millis(10));
             self.timers.do_send(Every { period: every, target: me, tick: Tick::CheckTimeouts });
+        }
+        if self.durable.is_some() {
+            self.restore(ctx);
+            return;
         }
         self.run_hook(Hook::Init, ctx);
     }

@@ -249,6 +249,14 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// each matching key, then every change. Expiry raises no event (as on 2.9 servers).
     fn kv_watch(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<BoxStream<BrokerResult<KvEntry>>>>;
 
+    /// The current entry of every key matching `key` (a NATS subject pattern), deletes
+    /// included, in revision order; the stream ends once all of them were read. This is
+    /// how a partition's task state is restored.
+    ///
+    /// # Errors
+    /// [`BrokerError::BucketNotFound`], transport errors (also as items, mid-read).
+    fn kv_scan(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<BoxStream<BrokerResult<KvEntry>>>>;
+
     /// Publishes a core NATS message (no persistence, no ack).
     fn core_publish(&self, msg: CoreMessage) -> BoxFuture<BrokerResult<()>>;
 

@@ -537,6 +537,26 @@ impl Broker for EmbeddedBroker {
         ready(result)
     }
 
+    fn kv_scan(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<BoxStream<BrokerResult<KvEntry>>>> {
+        if let Err(e) = self.inner.check("KV scan") {
+            return ready(Err(e));
+        }
+        let result = self.inner.with_bucket(bucket, |s, _| {
+            let pattern = format!("$KV.{bucket}.{key}");
+            let mut current: Vec<u64> = s
+                .by_subject
+                .iter()
+                .filter(|(subject, _)| compare::subject_matches(&pattern, subject))
+                .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
+                .collect();
+            current.sort_unstable();
+            let entries: Vec<BrokerResult<KvEntry>> =
+                current.into_iter().filter_map(|seq| s.kv_entry(seq)).map(Ok).collect();
+            futures::stream::iter(entries).boxed()
+        });
+        ready(result)
+    }
+
     fn core_publish(&self, msg: CoreMessage) -> BoxFuture<BrokerResult<()>> {
         if let Err(e) = check_headers(&msg.headers) {
             return ready(Err(e));

@@ -1269,6 +1269,66 @@ impl Broker for JetStreamBroker {
         })
     }
 
+    fn kv_scan(&self, bucket: &str, key: &str) -> BoxFuture<BrokerResult<BoxStream<BrokerResult<KvEntry>>>> {
+        let inner = self.inner.clone();
+        let (bucket, key) = (bucket.to_owned(), key.to_owned());
+        Box::pin(async move {
+            let store = inner.kv_store(&bucket).await?;
+            let op = format!("KV scan {bucket}/{key}");
+            let prefix = format!("$KV.{bucket}.");
+            // An ordered push consumer of the last message per key, as async-nats'
+            // `keys()` reads a bucket, but with the values: it ends when the server
+            // says nothing is pending.
+            let consumer = store
+                .stream
+                .create_consumer(jetstream::consumer::push::OrderedConfig {
+                    deliver_subject: inner.client.new_inbox(),
+                    description: Some("flotilla state restore".into()),
+                    filter_subject: format!("{prefix}{key}"),
+                    replay_policy: jetstream::consumer::ReplayPolicy::Instant,
+                    deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            if consumer.cached_info().num_pending == 0 {
+                return Ok(futures::stream::empty().boxed());
+            }
+            let messages = consumer.messages().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let stream = futures::stream::unfold((messages, false), move |(mut messages, done)| {
+                let (op, prefix, bucket) = (op.clone(), prefix.clone(), bucket.clone());
+                async move {
+                    if done {
+                        return None;
+                    }
+                    let item = match messages.next().await? {
+                        Err(e) => return Some((Err(BrokerError::other(&op, e)), (messages, true))),
+                        Ok(m) => m,
+                    };
+                    let info = match item.info() {
+                        Ok(info) => (info.stream_sequence, info.pending),
+                        Err(e) => return Some((Err(BrokerError::other(&op, e)), (messages, true))),
+                    };
+                    let operation = match item.headers.as_ref().and_then(|h| h.get("KV-Operation")).map(|v| v.as_str())
+                    {
+                        Some("DEL") => KvOperation::Delete,
+                        Some("PURGE") => KvOperation::Purge,
+                        _ => KvOperation::Put,
+                    };
+                    let entry = KvEntry {
+                        bucket,
+                        key: item.subject.as_str().strip_prefix(&prefix).unwrap_or(item.subject.as_str()).to_owned(),
+                        value: item.payload.clone(),
+                        revision: info.0,
+                        operation,
+                    };
+                    Some((Ok(entry), (messages, info.1 == 0)))
+                }
+            });
+            Ok(stream.boxed())
+        })
+    }
+
     fn core_publish(&self, msg: CoreMessage) -> BoxFuture<BrokerResult<()>> {
         let inner = self.inner.clone();
         Box::pin(async move {

@@ -1,0 +1,789 @@
+//! Durable task state: typed key-value stores that move with their partition.
+//!
+//! A task declares its stores on the job ([`Job::store`](crate::Job::store)) and reaches
+//! them through [`TaskContext::store`](crate::TaskContext::store). Reads and writes hit
+//! memory; what changed is written to the job's changelog (the KV bucket
+//! `FLOTILLA_<job>_STATE`) at each commit, before the input is acknowledged, and read back
+//! by the next owner of the partition before it processes anything. `docs/state.md`
+//! gives the design and the argument for exactly-once.
+//!
+//! This module holds the typed stores and the changelog's rules as plain data: how a
+//! record and a commit record are encoded, and which value of a key a restore takes
+//! ([`Resolution`]). The worker performs the I/O.
+//!
+//! # Changelog layout
+//!
+//! * one key per partition and store key: `<input>.<partition>.<store>.<hex of the key's
+//!   encoding>`, holding a [`Record`]: the writer's generation and flush number, the new
+//!   value (none for a delete) and the value the key had at the writer's last commit;
+//! * one commit key per partition: `<input>.<partition>._commit`, holding a
+//!   [`CommitRecord`]: the generation and flush number of the last complete flush, the
+//!   input position it reflects (the stream sequence of the last input applied), and the
+//!   last complete flush of each earlier generation still referenced.
+//!
+//! Every write is a compare-and-set on the key's last revision, so a stale owner cannot
+//! overwrite what a newer one wrote; the commit key's compare-and-set is what makes a
+//! flush count.
+
+use flotilla_transport::wire::Codec;
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::ops::RangeBounds;
+use std::rc::Rc;
+
+use crate::task::TaskError;
+
+/// The KV bucket (per job) that holds every store's changelog.
+pub const STATE: &str = "STATE";
+
+/// The longest encoded store key, in bytes (its hex form is twice that, in a subject).
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// A typed key-value store of a task, declared on the job beside its streams.
+///
+/// ```
+/// use flotilla_actors::StoreDef;
+/// const COUNTS: StoreDef<String, u64> = StoreDef::new("counts");
+/// ```
+pub struct StoreDef<K, V> {
+    name: &'static str,
+    _types: PhantomData<fn() -> (K, V)>,
+}
+
+impl<K, V> Clone for StoreDef<K, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<K, V> Copy for StoreDef<K, V> {}
+
+impl<K, V> std::fmt::Debug for StoreDef<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreDef").field("name", &self.name).finish()
+    }
+}
+
+impl<K, V> StoreDef<K, V> {
+    /// A store named `name`: lowercase letters, digits, `-` and `_`, not starting with
+    /// `_` (checked when the job starts).
+    pub const fn new(name: &'static str) -> Self {
+        Self { name, _types: PhantomData }
+    }
+
+    /// The store's name.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// Why a store name cannot be used, if it cannot.
+pub fn name_problem(name: &str) -> Option<String> {
+    if name.is_empty() || name.len() > 64 {
+        return Some(format!("store name {name:?} must be 1 to 64 characters"));
+    }
+    if name.starts_with('_') {
+        return Some(format!("store name {name:?} must not start with '_' (reserved for the changelog's own keys)"));
+    }
+    if !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_') {
+        return Some(format!("store name {name:?} may hold lowercase letters, digits, '-' and '_' only"));
+    }
+    None
+}
+
+/// What keys and values of a store must be.
+pub trait StoreKey: Serialize + DeserializeOwned + Ord + Clone + 'static {}
+impl<T: Serialize + DeserializeOwned + Ord + Clone + 'static> StoreKey for T {}
+/// What values of a store must be.
+pub trait StoreValue: Serialize + DeserializeOwned + Clone + 'static {}
+impl<T: Serialize + DeserializeOwned + Clone + 'static> StoreValue for T {}
+
+// ---------------------------------------------------------------------------------------
+// Changelog records (plain data)
+// ---------------------------------------------------------------------------------------
+
+/// One key's changelog record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    /// The writer's generation (one per restore of the partition).
+    pub generation: u64,
+    /// The writer's flush number within its generation (from 1; 0 for what a restore
+    /// writes).
+    pub flush: u64,
+    /// The value written; `None` for a delete.
+    pub value: Option<bytes::Bytes>,
+    /// The key's value at the writer's last commit (what a restore takes when this
+    /// record's flush never completed).
+    pub committed: Option<bytes::Bytes>,
+}
+
+const RECORD_VERSION: u8 = 1;
+
+impl Record {
+    /// The record's bytes: version, generation, flush, then each value as a presence
+    /// byte and a length-prefixed body.
+    pub fn encode(&self) -> bytes::Bytes {
+        let len =
+            18 + self.value.as_ref().map_or(0, |v| v.len() + 4) + self.committed.as_ref().map_or(0, |v| v.len() + 4);
+        let mut out = Vec::with_capacity(len);
+        out.push(RECORD_VERSION);
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.flush.to_le_bytes());
+        for v in [&self.value, &self.committed] {
+            match v {
+                None => out.push(0),
+                Some(v) => {
+                    out.push(1);
+                    out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+                    out.extend_from_slice(v);
+                }
+            }
+        }
+        out.into()
+    }
+
+    /// Reads a record.
+    ///
+    /// # Errors
+    /// What is wrong with the bytes.
+    pub fn decode(bytes: &bytes::Bytes) -> Result<Self, String> {
+        let mut at = 0usize;
+        let take = |at: &mut usize, n: usize| -> Result<bytes::Bytes, String> {
+            if bytes.len() < *at + n {
+                return Err(format!("record cut short at byte {} of {}", *at, bytes.len()));
+            }
+            let b = bytes.slice(*at..*at + n);
+            *at += n;
+            Ok(b)
+        };
+        let version = take(&mut at, 1)?[0];
+        if version != RECORD_VERSION {
+            return Err(format!("record version {version} is not {RECORD_VERSION}"));
+        }
+        let u64_at = |b: bytes::Bytes| u64::from_le_bytes(b.as_ref().try_into().unwrap_or([0; 8]));
+        let generation = u64_at(take(&mut at, 8)?);
+        let flush = u64_at(take(&mut at, 8)?);
+        let mut values = [None, None];
+        for v in &mut values {
+            match take(&mut at, 1)?[0] {
+                0 => {}
+                1 => {
+                    let n = u32::from_le_bytes(take(&mut at, 4)?.as_ref().try_into().unwrap_or([0; 4])) as usize;
+                    *v = Some(take(&mut at, n)?);
+                }
+                other => return Err(format!("record presence byte {other} is not 0 or 1")),
+            }
+        }
+        let [value, committed] = values;
+        if at != bytes.len() {
+            return Err(format!("{} bytes after the record", bytes.len() - at));
+        }
+        Ok(Self { generation, flush, value, committed })
+    }
+}
+
+/// A partition's commit record: what its last complete flush was.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CommitRecord {
+    /// The generation of the writer that made it.
+    pub generation: u64,
+    /// That writer's last complete flush (0: none yet; the claim at restore).
+    pub flush: u64,
+    /// The stream sequence of the last input the state reflects: inputs up to it are
+    /// applied, and are skipped when they come again.
+    pub position: u64,
+    /// The lease epoch of the writer (for people reading it; the compare-and-set fences).
+    pub epoch: u64,
+    /// The last complete flush of each earlier generation whose records are still the
+    /// latest of some key.
+    pub earlier: Vec<(u64, u64)>,
+}
+
+impl CommitRecord {
+    /// The last complete flush of `generation`, if it is known.
+    pub fn bound(&self, generation: u64) -> Option<u64> {
+        if generation == self.generation {
+            return Some(self.flush);
+        }
+        self.earlier.iter().find(|(g, _)| *g == generation).map(|(_, f)| *f)
+    }
+
+    /// Whether `record` belongs to a complete flush.
+    pub fn covers(&self, record: &Record) -> bool {
+        self.bound(record.generation).is_some_and(|bound| record.flush <= bound)
+    }
+}
+
+/// Which value a restore takes for one key, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The record's flush completed: its value (`None`: deleted).
+    Written(Option<bytes::Bytes>),
+    /// The record's flush never completed (interrupted, or a stale owner's): the
+    /// value the key had at its writer's last commit.
+    Committed(Option<bytes::Bytes>),
+}
+
+impl Resolution {
+    /// The value a restore takes (`None`: the key is absent).
+    pub fn value(&self) -> Option<&bytes::Bytes> {
+        match self {
+            Resolution::Written(v) | Resolution::Committed(v) => v.as_ref(),
+        }
+    }
+}
+
+/// The value of a key whose latest record is `record`, under `commit`.
+pub fn resolve(commit: &CommitRecord, record: &Record) -> Resolution {
+    if commit.covers(record) {
+        Resolution::Written(record.value.clone())
+    } else {
+        Resolution::Committed(record.committed.clone())
+    }
+}
+
+/// The commit record a new writer claims the partition with, after reading `previous`
+/// and resolving every key: its generation follows, and it keeps the bounds of the
+/// earlier generations whose records are still taken as written (`referenced`).
+pub fn claim(previous: &CommitRecord, referenced: impl IntoIterator<Item = u64>, epoch: u64) -> CommitRecord {
+    let mut earlier: Vec<(u64, u64)> = Vec::new();
+    for g in referenced {
+        if earlier.iter().any(|(e, _)| *e == g) {
+            continue;
+        }
+        if let Some(bound) = previous.bound(g) {
+            earlier.push((g, bound));
+        }
+    }
+    earlier.sort_unstable();
+    CommitRecord { generation: previous.generation + 1, flush: 0, position: previous.position, epoch, earlier }
+}
+
+/// The changelog key of a store key.
+pub fn record_key(prefix: &str, store: &str, key_hex: &str) -> String {
+    format!("{prefix}.{store}.{key_hex}")
+}
+
+/// The changelog key of a partition's commit record.
+pub fn commit_key(prefix: &str) -> String {
+    format!("{prefix}._commit")
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 15)] as char);
+    }
+    s
+}
+
+/// The bytes of lowercase hex `s`.
+pub fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let digit = |c: u8| match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        _ => None,
+    };
+    s.as_bytes().chunks(2).map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// Typed stores
+// ---------------------------------------------------------------------------------------
+
+/// A changed key, ready for the changelog.
+#[derive(Debug, Clone)]
+pub struct Change {
+    /// The store.
+    pub store: &'static str,
+    /// The hex of the key's encoding.
+    pub key_hex: String,
+    /// The new value's encoding; `None` for a delete.
+    pub value: Option<bytes::Bytes>,
+    /// The value's encoding at the last commit.
+    pub committed: Option<bytes::Bytes>,
+    /// The key's changelog revision the write must find (0: none).
+    pub expected_revision: u64,
+}
+
+/// What the worker needs of a store, whatever its types.
+pub trait ErasedStore: Any {
+    /// The store's name.
+    fn name(&self) -> &'static str;
+    /// Keys held.
+    fn len(&self) -> usize;
+    /// Whether it holds nothing.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The callback that changed it succeeded (`true`: keep its changes) or failed
+    /// (`false`: undo them).
+    fn end_callback(&mut self, keep: bool);
+    /// Whether something changed since the last [`take_changes`](Self::take_changes).
+    fn has_changes(&self) -> bool;
+    /// What changed since the last call, encoded; the store forgets it.
+    ///
+    /// # Errors
+    /// A value that cannot be encoded, naming the store and key.
+    fn take_changes(&mut self, codec: &Codec) -> Result<Vec<Change>, String>;
+    /// The changelog stored `key_hex` at `revision`.
+    fn stored(&mut self, key_hex: &str, revision: u64);
+    /// Takes one restored key.
+    ///
+    /// # Errors
+    /// The key or value no longer decodes (its type changed), naming the store and key.
+    fn restore(
+        &mut self,
+        codec: &Codec,
+        key_hex: &str,
+        value: Option<&bytes::Bytes>,
+        revision: u64,
+    ) -> Result<(), String>;
+    /// For downcasting to the typed store.
+    fn as_any(&mut self) -> &mut dyn Any;
+}
+
+/// A store's contents and bookkeeping.
+pub struct TypedStore<K, V> {
+    name: &'static str,
+    live: BTreeMap<K, V>,
+    /// Changelog revision of each key that has a record (absent keys whose record is
+    /// a delete included).
+    revisions: BTreeMap<K, u64>,
+    /// Keys changed since the last flush, with their value at the last commit.
+    changed: BTreeMap<K, Option<V>>,
+    /// Keys the running callback changed, with their value before it.
+    undo: BTreeMap<K, Option<V>>,
+}
+
+impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
+    /// An empty store named `name`.
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            live: BTreeMap::new(),
+            revisions: BTreeMap::new(),
+            changed: BTreeMap::new(),
+            undo: BTreeMap::new(),
+        }
+    }
+
+    fn remember(&mut self, key: &K) {
+        if !self.undo.contains_key(key) {
+            self.undo.insert(key.clone(), self.live.get(key).cloned());
+        }
+    }
+
+    fn key_hex(codec: &Codec, key: &K) -> Result<String, String> {
+        let bytes = codec.encode(key).map_err(|e| e.to_string())?;
+        if bytes.len() > MAX_KEY_BYTES {
+            return Err(format!("the key encodes to {} bytes, over the limit of {MAX_KEY_BYTES}", bytes.len()));
+        }
+        Ok(hex(&bytes))
+    }
+}
+
+impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    fn end_callback(&mut self, keep: bool) {
+        let undo = std::mem::take(&mut self.undo);
+        for (key, before) in undo {
+            if keep {
+                self.changed.entry(key).or_insert(before);
+            } else {
+                match before {
+                    Some(v) => self.live.insert(key, v),
+                    None => self.live.remove(&key),
+                };
+            }
+        }
+    }
+
+    fn has_changes(&self) -> bool {
+        !self.changed.is_empty()
+    }
+
+    fn take_changes(&mut self, codec: &Codec) -> Result<Vec<Change>, String> {
+        let changed = std::mem::take(&mut self.changed);
+        let mut out = Vec::with_capacity(changed.len());
+        for (key, committed) in changed {
+            let now = self.live.get(&key);
+            let encode = |v: Option<&V>| -> Result<Option<bytes::Bytes>, String> {
+                v.map(|v| codec.encode(v)).transpose().map_err(|e| e.to_string())
+            };
+            let key_hex = Self::key_hex(codec, &key).map_err(|e| format!("store {}: {e}", self.name))?;
+            let value = encode(now).map_err(|e| format!("store {} key {key_hex}: {e}", self.name))?;
+            let committed =
+                encode(committed.as_ref()).map_err(|e| format!("store {} key {key_hex}: {e}", self.name))?;
+            if value == committed {
+                // Changed and changed back: nothing to write.
+                continue;
+            }
+            out.push(Change {
+                store: self.name,
+                expected_revision: self.revisions.get(&key).copied().unwrap_or(0),
+                key_hex,
+                value,
+                committed,
+            });
+        }
+        Ok(out)
+    }
+
+    fn stored(&mut self, key_hex: &str, revision: u64) {
+        // The key round-trips through its encoding; one that does not was refused at
+        // `put`.
+        if let Some(key) = unhex(key_hex).and_then(|b| Codec::default().decode::<K>(&b).ok()) {
+            self.revisions.insert(key, revision);
+        }
+    }
+
+    fn restore(
+        &mut self,
+        codec: &Codec,
+        key_hex: &str,
+        value: Option<&bytes::Bytes>,
+        revision: u64,
+    ) -> Result<(), String> {
+        let name = self.name;
+        let bytes = unhex(key_hex).ok_or_else(|| format!("store {name}: changelog key {key_hex:?} is not hex"))?;
+        let key: K = codec.decode(&bytes).map_err(|e| {
+            format!("store {name} key {key_hex}: the key no longer decodes as the store's key type: {e}")
+        })?;
+        if let Some(v) = value {
+            let v: V = codec.decode(v).map_err(|e| {
+                format!("store {name} key {key_hex}: the value no longer decodes as the store's value type: {e}")
+            })?;
+            self.live.insert(key.clone(), v);
+        }
+        self.revisions.insert(key, revision);
+        Ok(())
+    }
+
+    fn as_any(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// A task partition's stores, shared by the worker and the task's context.
+#[derive(Default)]
+pub struct StoreSet {
+    stores: Vec<Box<dyn ErasedStore>>,
+    codec: Codec,
+}
+
+impl std::fmt::Debug for StoreSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.stores.iter().map(|s| (s.name(), s.len()))).finish()
+    }
+}
+
+/// How a job makes a task's stores for each of its workers.
+pub type StoreMaker = Rc<dyn Fn() -> Box<dyn ErasedStore>>;
+
+/// A maker of empty stores of `def`'s types.
+pub fn maker<K: StoreKey, V: StoreValue>(def: StoreDef<K, V>) -> StoreMaker {
+    Rc::new(move || Box::new(TypedStore::<K, V>::new(def.name())))
+}
+
+impl StoreSet {
+    /// The stores made by `makers`, encoding with `codec`.
+    pub fn new(makers: &[StoreMaker], codec: Codec) -> Self {
+        Self { stores: makers.iter().map(|m| m()).collect(), codec }
+    }
+
+    /// Whether there are no stores.
+    pub fn is_empty(&self) -> bool {
+        self.stores.is_empty()
+    }
+
+    /// The codec values are encoded with.
+    pub fn codec(&self) -> &Codec {
+        &self.codec
+    }
+
+    /// Each store.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Box<dyn ErasedStore>> {
+        self.stores.iter_mut()
+    }
+
+    /// The store named `name`.
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Box<dyn ErasedStore>> {
+        self.stores.iter_mut().find(|s| s.name() == name)
+    }
+
+    /// Ends a callback in every store (see [`ErasedStore::end_callback`]).
+    pub fn end_callback(&mut self, keep: bool) {
+        for s in &mut self.stores {
+            s.end_callback(keep);
+        }
+    }
+
+    /// Keys held, over all stores.
+    pub fn len(&self) -> usize {
+        self.stores.iter().map(|s| s.len()).sum()
+    }
+
+    /// Whether something changed since the last flush.
+    pub fn has_changes(&self) -> bool {
+        self.stores.iter().any(|s| s.has_changes())
+    }
+}
+
+/// A task's handle on one store during a callback. Reads and writes go to memory; a
+/// callback's writes are undone when it fails, and written to the changelog with the
+/// next commit when it succeeds.
+pub struct Store<'a, K, V> {
+    set: &'a RefCell<StoreSet>,
+    index: usize,
+    _types: PhantomData<fn() -> (K, V)>,
+}
+
+impl<K, V> std::fmt::Debug for Store<'_, K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("index", &self.index).finish_non_exhaustive()
+    }
+}
+
+impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
+    pub(crate) fn open(set: &'a RefCell<StoreSet>, def: &StoreDef<K, V>) -> Result<Self, TaskError> {
+        let mut guard = set.borrow_mut();
+        let Some(index) = guard.stores.iter().position(|s| s.name() == def.name()) else {
+            return Err(TaskError::fatal(format!(
+                "store {:?} is not declared for this task: add .store({}) after its .task(...) on the job",
+                def.name(),
+                def.name().to_uppercase()
+            )));
+        };
+        if guard.stores[index].as_any().downcast_mut::<TypedStore<K, V>>().is_none() {
+            return Err(TaskError::fatal(format!(
+                "store {:?} is declared with other key or value types than this StoreDef",
+                def.name()
+            )));
+        }
+        drop(guard);
+        Ok(Self { set, index, _types: PhantomData })
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut TypedStore<K, V>, &Codec) -> R) -> R {
+        let mut set = self.set.borrow_mut();
+        let set = &mut *set;
+        let codec = &set.codec;
+        let store = set.stores[self.index].as_any().downcast_mut::<TypedStore<K, V>>();
+        // `open` checked the type, and stores are never replaced.
+        match store {
+            Some(store) => f(store, codec),
+            None => unreachable!("store type checked at open"),
+        }
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &K) -> Option<V> {
+        self.with(|s, _| s.live.get(key).cloned())
+    }
+
+    /// Whether `key` has a value.
+    pub fn contains(&self, key: &K) -> bool {
+        self.with(|s, _| s.live.contains_key(key))
+    }
+
+    /// Sets `key` to `value`.
+    ///
+    /// # Errors
+    /// [`TaskError::Permanent`] (`rejected`) when the key encodes to more than
+    /// [`MAX_KEY_BYTES`] or cannot be encoded.
+    pub fn put(&self, key: K, value: V) -> Result<(), TaskError> {
+        self.with(|s, codec| {
+            if let Err(e) = TypedStore::<K, V>::key_hex(codec, &key) {
+                return Err(TaskError::rejected(format!("store {}: {e}", s.name)));
+            }
+            s.remember(&key);
+            s.live.insert(key, value);
+            Ok(())
+        })
+    }
+
+    /// Removes `key`; returns its value.
+    pub fn delete(&self, key: &K) -> Option<V> {
+        self.with(|s, _| {
+            if !s.live.contains_key(key) {
+                return None;
+            }
+            s.remember(key);
+            s.live.remove(key)
+        })
+    }
+
+    /// Changes the value of `key` with `f` (given `None` when absent); `f` returning
+    /// `None` deletes it. Returns the new value.
+    ///
+    /// # Errors
+    /// As [`put`](Self::put).
+    pub fn update(&self, key: K, f: impl FnOnce(Option<V>) -> Option<V>) -> Result<Option<V>, TaskError> {
+        let new = f(self.get(&key));
+        match &new {
+            Some(v) => self.put(key, v.clone())?,
+            None => {
+                self.delete(&key);
+            }
+        }
+        Ok(new)
+    }
+
+    /// The entries with keys in `range`, in key order.
+    pub fn range<R: RangeBounds<K>>(&self, range: R) -> Vec<(K, V)> {
+        self.with(|s, _| s.live.range(range).map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+
+    /// Every entry, in key order.
+    pub fn entries(&self) -> Vec<(K, V)> {
+        self.range(..)
+    }
+
+    /// Keys held.
+    pub fn len(&self) -> usize {
+        self.with(|s, _| s.live.len())
+    }
+
+    /// Whether the store is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<V: StoreValue> Store<'_, String, V> {
+    /// The entries whose key starts with `prefix`, in key order.
+    pub fn prefix(&self, prefix: &str) -> Vec<(String, V)> {
+        self.with(|s, _| {
+            s.live
+                .range(prefix.to_owned()..)
+                .take_while(|(k, _)| k.starts_with(prefix))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(generation: u64, flush: u64, value: Option<&str>, committed: Option<&str>) -> Record {
+        Record {
+            generation,
+            flush,
+            value: value.map(|v| bytes::Bytes::from(v.to_owned())),
+            committed: committed.map(|v| bytes::Bytes::from(v.to_owned())),
+        }
+    }
+
+    #[test]
+    fn records_round_trip_and_bad_bytes_are_named() {
+        for r in [rec(3, 7, Some("new"), Some("old")), rec(0, 0, None, None), rec(1, 2, None, Some(""))] {
+            assert_eq!(Record::decode(&r.encode()).expect("decodes"), r);
+        }
+        let good = rec(1, 1, Some("v"), None).encode();
+        assert!(Record::decode(&good.slice(..good.len() - 1)).unwrap_err().contains("cut short"));
+        let mut bad = good.to_vec();
+        bad[0] = 9;
+        assert!(Record::decode(&bad.into()).unwrap_err().contains("version 9"));
+    }
+
+    #[test]
+    fn an_interrupted_flush_resolves_to_the_committed_value() {
+        let commit = CommitRecord { generation: 2, flush: 5, position: 100, epoch: 9, earlier: vec![(1, 3)] };
+        // The current writer's complete flushes.
+        assert_eq!(resolve(&commit, &rec(2, 5, Some("b"), Some("a"))), Resolution::Written(Some("b".into())));
+        // Its flush 6 never got its commit record.
+        assert_eq!(resolve(&commit, &rec(2, 6, Some("c"), Some("b"))), Resolution::Committed(Some("b".into())));
+        // An earlier writer's complete and incomplete flushes.
+        assert_eq!(resolve(&commit, &rec(1, 3, None, Some("x"))), Resolution::Written(None));
+        assert_eq!(resolve(&commit, &rec(1, 4, Some("y"), None)), Resolution::Committed(None));
+        // A generation the commit record does not know wrote after the claim that
+        // dropped it: a stale owner's write.
+        assert_eq!(resolve(&commit, &rec(0, 1, Some("z"), Some("w"))), Resolution::Committed(Some("w".into())));
+    }
+
+    #[test]
+    fn a_claim_keeps_the_bounds_of_referenced_generations_only() {
+        let previous =
+            CommitRecord { generation: 4, flush: 12, position: 77, epoch: 3, earlier: vec![(1, 2), (2, 9), (3, 1)] };
+        let claimed = claim(&previous, [4, 2, 4, 7], 11);
+        assert_eq!(
+            claimed,
+            CommitRecord { generation: 5, flush: 0, position: 77, epoch: 11, earlier: vec![(2, 9), (4, 12)] }
+        );
+        // What generation 4 wrote past its flush 12 stays invisible after the claim.
+        assert!(!claimed.covers(&rec(4, 13, Some("v"), None)));
+        assert!(claimed.covers(&rec(4, 12, Some("v"), None)));
+        assert!(claimed.covers(&rec(5, 0, Some("repair"), None)));
+        assert!(!claimed.covers(&rec(5, 1, Some("next"), None)));
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes: Vec<u8> = (0..=255).collect();
+        assert_eq!(unhex(&hex(&bytes)).expect("hex"), bytes);
+        assert_eq!(unhex("0g"), None);
+        assert_eq!(unhex("abc"), None);
+    }
+
+    #[test]
+    fn a_failed_callback_leaves_no_change_and_a_kept_one_remembers_the_committed_value() {
+        let set = RefCell::new(StoreSet::new(&[maker(StoreDef::<String, u64>::new("counts"))], Codec::default()));
+        let def = StoreDef::<String, u64>::new("counts");
+        let store = Store::open(&set, &def).expect("declared");
+        store.put("a".into(), 1).expect("put");
+        set.borrow_mut().end_callback(true);
+        let changes = set.borrow_mut().stores[0].take_changes(&Codec::default()).expect("changes");
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].committed, None);
+        // A failed callback: undone, nothing to flush.
+        store.put("a".into(), 2).expect("put");
+        store.put("b".into(), 5).expect("put");
+        store.delete(&"a".into());
+        set.borrow_mut().end_callback(false);
+        assert_eq!(store.get(&"a".into()), Some(1));
+        assert_eq!(store.get(&"b".into()), None);
+        assert!(!set.borrow().has_changes());
+        // Changed twice in kept callbacks: the committed value is the first one's before.
+        store.put("a".into(), 3).expect("put");
+        set.borrow_mut().end_callback(true);
+        store.put("a".into(), 4).expect("put");
+        set.borrow_mut().end_callback(true);
+        let changes = set.borrow_mut().stores[0].take_changes(&Codec::default()).expect("changes");
+        assert_eq!(changes.len(), 1);
+        assert_eq!(changes[0].committed, Some(Codec::default().encode(&1u64).expect("enc")));
+        assert_eq!(changes[0].value, Some(Codec::default().encode(&4u64).expect("enc")));
+        // An undeclared store or other types are named.
+        assert!(Store::open(&set, &StoreDef::<String, u64>::new("other")).is_err());
+        assert!(Store::open(&set, &StoreDef::<u64, u64>::new("counts")).is_err());
+    }
+
+    #[test]
+    fn prefix_and_range_scans_are_ordered() {
+        let set = RefCell::new(StoreSet::new(&[maker(StoreDef::<String, u64>::new("s"))], Codec::default()));
+        let store = Store::open(&set, &StoreDef::<String, u64>::new("s")).expect("declared");
+        for (k, v) in [("b/2", 2), ("a/1", 1), ("b/1", 3), ("c", 4)] {
+            store.put(k.into(), v).expect("put");
+        }
+        assert_eq!(store.prefix("b/"), vec![("b/1".to_owned(), 3), ("b/2".to_owned(), 2)]);
+        assert_eq!(store.range("b".to_owned().."c".to_owned()).len(), 2);
+        assert_eq!(store.entries().first().map(|e| e.0.clone()), Some("a/1".to_owned()));
+    }
+}
