@@ -74,6 +74,8 @@ pub struct RelayCluster {
     pub nodes: BTreeMap<String, ProcessGuard>,
     /// A JetStream connection of the test's own.
     pub broker: SharedBroker,
+    /// The example's job and ordered input (`relay`/`relay-in`, `tally`/`tally-in`).
+    pub job: (&'static str, &'static str),
 }
 
 impl RelayCluster {
@@ -94,7 +96,13 @@ impl RelayCluster {
     /// As [`on`](Self::on), with `common` flags (e.g. `--replicas 3`) given to the
     /// provisioning command too.
     pub async fn on_with(nats: &str, common: &[&str], ids: &[&str]) -> Self {
-        let bin = example_bin("relay");
+        Self::example_on(("relay", "relay-in"), nats, common, ids).await
+    }
+
+    /// As [`on_with`](Self::on_with), for another example with `relay`'s node flags and
+    /// `publish --count N`: `job` is its job and ordered input (`("tally", "tally-in")`).
+    pub async fn example_on(job: (&'static str, &'static str), nats: &str, common: &[&str], ids: &[&str]) -> Self {
+        let bin = example_bin(job.0);
         let mut options = JetStreamOptions::new(nats);
         options.urls = nats.split(',').map(str::to_owned).collect();
         let broker = JetStreamBroker::connect(options).await.expect("connect").shared();
@@ -106,7 +114,7 @@ impl RelayCluster {
             }
             None => tempfile::tempdir().expect("tmp"),
         };
-        let mut c = Self { bin, server: None, nats: nats.to_owned(), dir, nodes: BTreeMap::new(), broker };
+        let mut c = Self { bin, server: None, nats: nats.to_owned(), dir, nodes: BTreeMap::new(), broker, job };
         let mut args = vec!["publish", "--count", "0"];
         args.extend_from_slice(common);
         let out = c.relay_cmd(&args);
@@ -185,7 +193,7 @@ impl RelayCluster {
         for (k, v) in &launch.env {
             cmd.env(k, v);
         }
-        self.nodes.insert(id.to_owned(), ProcessGuard::spawn(format!("relay {id}"), &mut cmd));
+        self.nodes.insert(id.to_owned(), ProcessGuard::spawn(format!("{} {id}", self.job.0), &mut cmd));
     }
 
     /// Sends `signal` to node `id`.
@@ -207,7 +215,8 @@ impl RelayCluster {
     pub async fn owners(&self) -> BTreeMap<u32, (String, u64)> {
         let mut out = BTreeMap::new();
         for p in 0..PARTITIONS {
-            if let Ok(Some(e)) = self.broker.kv_get("FLOTILLA_relay_LEASES", &keys::lease("relay-in", p)).await
+            let bucket = format!("FLOTILLA_{}_LEASES", self.job.0);
+            if let Ok(Some(e)) = self.broker.kv_get(&bucket, &keys::lease(self.job.1, p)).await
                 && let Ok(rec) = serde_json::from_slice::<LeaseRecord>(&e.value)
             {
                 out.insert(p, (rec.node, rec.epoch));

@@ -570,7 +570,20 @@ impl Inner {
                     // ack-pending updates it (2.9 and later).
                     tracing::info!(stream, consumer = %spec.name, from = ?existing, to = ?spec, "consumer settings updated");
                     self.consumers.remove(&(stream.to_owned(), spec.name.clone()));
-                    self.create_or_adopt(&s, &spec, &op).await?
+                    // Only those settings change: where it delivers from stays as it
+                    // is (a partition reset moved it to a start sequence, which the
+                    // server refuses to change: error 10012).
+                    let mut config = info.config.clone();
+                    config.ack_wait = spec.ack_wait;
+                    config.max_deliver = spec.max_deliver.map_or(-1, i64::from);
+                    config.max_ack_pending = spec.max_ack_pending.map_or(-1, i64::from);
+                    match s.create_consumer(config).await {
+                        Ok(mut c) => c.info().await.cloned().map_err(|e| api_error(&op, e, self.request_timeout))?,
+                        Err(e) => match s.consumer_info(&spec.name).await {
+                            Ok(info) if from_consumer_info(&spec.name, &info.config) == spec => info,
+                            _ => return Err(api_error(&op, e, self.request_timeout)),
+                        },
+                    }
                 }
             }
             Err(e) if consumer_missing(&e) => self.create_or_adopt(&s, &spec, &op).await?,
