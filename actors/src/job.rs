@@ -165,7 +165,7 @@ impl Job {
         let makers = stores.clone();
         let starter: Starter = Rc::new(move |env: Rc<TaskEnv>, binding, config, sc: SlotContext| {
             let task = factory(binding.partition);
-            let set = crate::store::StoreSet::new(&makers.borrow(), env.codec.clone());
+            let set = crate::store::StoreSet::new(&makers.borrow(), env.codec);
             let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper)
                 .with_stores(set)
                 .start();

@@ -284,7 +284,7 @@ pub fn hex(bytes: &[u8]) -> String {
 
 /// The bytes of lowercase hex `s`.
 pub fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     let digit = |c: u8| match c {
@@ -362,6 +362,8 @@ pub struct TypedStore<K, V> {
     changed: BTreeMap<K, Option<V>>,
     /// Keys the running callback changed, with their value before it.
     undo: BTreeMap<K, Option<V>>,
+    /// Keys of the flush on its way, by the hex of their encoding.
+    flushing: std::collections::HashMap<String, K>,
 }
 
 impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
@@ -373,6 +375,7 @@ impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
             revisions: BTreeMap::new(),
             changed: BTreeMap::new(),
             undo: BTreeMap::new(),
+            flushing: std::collections::HashMap::new(),
         }
     }
 
@@ -434,6 +437,7 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
                 // Changed and changed back: nothing to write.
                 continue;
             }
+            self.flushing.insert(key_hex.clone(), key.clone());
             out.push(Change {
                 store: self.name,
                 expected_revision: self.revisions.get(&key).copied().unwrap_or(0),
@@ -446,9 +450,7 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
     }
 
     fn stored(&mut self, key_hex: &str, revision: u64) {
-        // The key round-trips through its encoding; one that does not was refused at
-        // `put`.
-        if let Some(key) = unhex(key_hex).and_then(|b| Codec::default().decode::<K>(&b).ok()) {
+        if let Some(key) = self.flushing.remove(key_hex) {
             self.revisions.insert(key, revision);
         }
     }
