@@ -1,6 +1,7 @@
 //! `wordcount`: a two-stage stream job. `lines` (ordered) are split into words, which
 //! are repartitioned by word into `words` (ordered); the counting task keeps counts per
-//! partition and emits them to `counts` every window. It feeds itself a text, runs until
+//! partition in a durable store (so they survive a move of the partition) and emits the
+//! changed ones to `counts` every window. It feeds itself a text, runs until
 //! every word is counted, prints the most frequent words and exits.
 //!
 //! ```text
@@ -13,7 +14,7 @@ use flotilla::prelude::*;
 use flotilla::transport::broker::{ConsumerSpec, OutboundMessage};
 use flotilla::transport::wire::{Codec, headers, partition_for};
 use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,10 @@ const PARTITIONS: u32 = 4;
 const LINES: StreamDef<Line> = StreamDef::ordered("lines", PARTITIONS);
 const WORDS: StreamDef<Word> = StreamDef::ordered("words", PARTITIONS);
 const COUNTS: StreamDef<WordCount> = StreamDef::ordered("counts", PARTITIONS);
+/// Count per word.
+const TOTALS: StoreDef<String, u64> = StoreDef::new("totals");
+/// Words counted since the last window.
+const CHANGED: StoreDef<String, ()> = StoreDef::new("changed");
 
 const TEXT: &str = "the run loop of a stream processor keeps one task per partition and commits in order \
 the work queue claims only what can start and keeps long work alive with heartbeats \
@@ -70,28 +75,26 @@ impl Task for Split {
     }
 }
 
-/// Counts words of one partition; emits the totals that changed every window.
+/// Counts words of one partition in its stores; emits the totals that changed every
+/// window.
 struct Count {
-    totals: HashMap<String, u64>,
-    changed: Vec<String>,
     seen: Rc<RefCell<u64>>,
 }
 
 impl Task for Count {
     type Input = Word;
-    async fn process(&mut self, w: Word, _ctx: &mut TaskContext) -> Result<(), TaskError> {
-        *self.totals.entry(w.word.clone()).or_default() += 1;
-        self.changed.push(w.word);
+    async fn process(&mut self, w: Word, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        ctx.store(&TOTALS)?.update(w.word.clone(), |n| Some(n.unwrap_or(0) + 1))?;
+        ctx.store(&CHANGED)?.put(w.word, ())?;
         *self.seen.borrow_mut() += 1;
         Ok(())
     }
 
     async fn window(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
-        self.changed.sort();
-        self.changed.dedup();
-        for word in std::mem::take(&mut self.changed) {
-            let count = self.totals[&word];
-            ctx.send(&COUNTS, &word.clone(), WordCount { word, count }).await?;
+        for (word, ()) in ctx.store(&CHANGED)?.entries() {
+            let count = ctx.store(&TOTALS)?.get(&word).unwrap_or(0);
+            ctx.send(&COUNTS, &word.clone(), WordCount { word: word.clone(), count }).await?;
+            ctx.store(&CHANGED)?.delete(&word);
         }
         Ok(())
     }
@@ -104,7 +107,9 @@ fn main() -> anyhow::Result<()> {
     let s = seen.clone();
     let job = Job::new("wordcount")
         .task(LINES, |_| Split)
-        .task(WORDS, move |_| Count { totals: HashMap::new(), changed: Vec::new(), seen: s.clone() })
+        .task(WORDS, move |_| Count { seen: s.clone() })
+        .store(TOTALS)
+        .store(CHANGED)
         .window_every(args.window)
         .output(COUNTS);
     let started = Instant::now();

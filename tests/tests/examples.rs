@@ -53,6 +53,20 @@ fn wordcount_counts_every_word() {
 }
 
 #[test]
+fn tally_counts_votes_in_stores_and_refuses_bad_flags() {
+    let (ok, out, err) = run("tally", &["--demo", "2000", "--window", "200ms"]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("published 2000 votes (3 poison) over 7 choices; last totals match the votes"), "{out}");
+    assert!(out.contains("counted 1997 votes"), "{out}");
+    let (ok, _, err) = run("tally", &["--window", "often"]);
+    assert!(!ok);
+    assert!(err.contains("write a duration like 30s"), "{err}");
+    let (ok, _, err) = run("tally", &["publish", "--count", "5"]);
+    assert!(!ok);
+    assert!(err.contains("publish needs --nats"), "{err}");
+}
+
+#[test]
 fn jobs_retries_heartbeats_and_dead_letters() {
     let (ok, out, err) = run("jobs", &["--quick", "5"]);
     assert!(ok, "{out}\n{err}");
