@@ -194,6 +194,10 @@ pub struct CommitRecord {
     /// The stream sequence of the last input the state reflects: inputs up to it are
     /// applied, and are skipped when they come again.
     pub position: u64,
+    /// Hooks that ran at `position` and whose changes the state holds: the next hook
+    /// there derives its output ids from this count on, so it never reuses theirs.
+    #[serde(default)]
+    pub hooks: u32,
     /// The lease epoch of the writer (for people reading it; the compare-and-set fences).
     pub epoch: u64,
     /// The last complete flush of each earlier generation whose records are still the
@@ -258,7 +262,14 @@ pub fn claim(previous: &CommitRecord, referenced: impl IntoIterator<Item = u64>,
         }
     }
     earlier.sort_unstable();
-    CommitRecord { generation: previous.generation + 1, flush: 0, position: previous.position, epoch, earlier }
+    CommitRecord {
+        generation: previous.generation + 1,
+        flush: 0,
+        position: previous.position,
+        hooks: previous.hooks,
+        epoch,
+        earlier,
+    }
 }
 
 /// The changelog key of a store key.
@@ -467,11 +478,16 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
         let key: K = codec.decode(&bytes).map_err(|e| {
             format!("store {name} key {key_hex}: the key no longer decodes as the store's key type: {e}")
         })?;
-        if let Some(v) = value {
-            let v: V = codec.decode(v).map_err(|e| {
-                format!("store {name} key {key_hex}: the value no longer decodes as the store's value type: {e}")
-            })?;
-            self.live.insert(key.clone(), v);
+        match value {
+            Some(v) => {
+                let v: V = codec.decode(v).map_err(|e| {
+                    format!("store {name} key {key_hex}: the value no longer decodes as the store's value type: {e}")
+                })?;
+                self.live.insert(key.clone(), v);
+            }
+            None => {
+                self.live.remove(&key);
+            }
         }
         self.revisions.insert(key, revision);
         Ok(())
@@ -708,7 +724,7 @@ mod tests {
 
     #[test]
     fn an_interrupted_flush_resolves_to_the_committed_value() {
-        let commit = CommitRecord { generation: 2, flush: 5, position: 100, epoch: 9, earlier: vec![(1, 3)] };
+        let commit = CommitRecord { generation: 2, flush: 5, position: 100, hooks: 0, epoch: 9, earlier: vec![(1, 3)] };
         // The current writer's complete flushes.
         assert_eq!(resolve(&commit, &rec(2, 5, Some("b"), Some("a"))), Resolution::Written(Some("b".into())));
         // Its flush 6 never got its commit record.
@@ -723,12 +739,18 @@ mod tests {
 
     #[test]
     fn a_claim_keeps_the_bounds_of_referenced_generations_only() {
-        let previous =
-            CommitRecord { generation: 4, flush: 12, position: 77, epoch: 3, earlier: vec![(1, 2), (2, 9), (3, 1)] };
+        let previous = CommitRecord {
+            generation: 4,
+            flush: 12,
+            position: 77,
+            hooks: 2,
+            epoch: 3,
+            earlier: vec![(1, 2), (2, 9), (3, 1)],
+        };
         let claimed = claim(&previous, [4, 2, 4, 7], 11);
         assert_eq!(
             claimed,
-            CommitRecord { generation: 5, flush: 0, position: 77, epoch: 11, earlier: vec![(2, 9), (4, 12)] }
+            CommitRecord { generation: 5, flush: 0, position: 77, hooks: 2, epoch: 11, earlier: vec![(2, 9), (4, 12)] }
         );
         // What generation 4 wrote past its flush 12 stays invisible after the claim.
         assert!(!claimed.covers(&rec(4, 13, Some("v"), None)));

@@ -293,6 +293,23 @@ impl Task for Noop {
     }
 }
 
+/// The state pair's store: a count per message key.
+const PER_KEY: StoreDef<String, u64> = StoreDef::new("per-key");
+
+/// Updates one key per message (its own key, so every message writes one changelog
+/// record at the next commit).
+struct CountPerKey(Progress);
+
+impl Task for CountPerKey {
+    type Input = Blob;
+    async fn process(&mut self, _blob: Blob, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let key = ctx.message().and_then(|m| m.key.clone()).unwrap_or_default();
+        ctx.store(&PER_KEY)?.update(key, |n| Some(n.unwrap_or(0) + 1))?;
+        self.0.tick();
+        Ok(())
+    }
+}
+
 const IN_QUEUE: StreamDef<Blob> = StreamDef::queue("in");
 const OUT_QUEUE: StreamDef<Blob> = StreamDef::queue("out");
 const TRIGGERS: StreamDef<u64> = StreamDef::queue("triggers");
@@ -363,6 +380,27 @@ async fn flotilla_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow
     Ok(r)
 }
 
+async fn flotilla_state_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
+    let broker = flotilla_broker(&s.url).await?;
+    let (_client, js) = raw_context(&s.url, s.window).await?;
+    let (progress, done) = Progress::new(s.count, false);
+    let p = progress.clone();
+    let input = StreamDef::<Blob>::ordered("in", s.partitions);
+    let job_def = Job::new(job).task(input, move |_| CountPerKey(p.clone())).store(PER_KEY);
+    job_def.provision(broker.clone()).await?;
+    prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
+    let running = job_def.start(broker).await?;
+    let started = Instant::now();
+    let cpu = Cpu::start(s.server_pid);
+    tokio::time::timeout(DONE_WITHIN, done).await.context("flotilla state round did not finish")??;
+    let names: Vec<String> = (0..s.partitions).map(|p| format!("in-p{p}")).collect();
+    wait_acked(&js, &format!("FLOTILLA_{job}_in"), &names, DONE_WITHIN).await?;
+    let r = Measured::new(s.count, started.elapsed(), &cpu);
+    finish(running).await?;
+    delete_job_streams(&js, job).await;
+    Ok(r)
+}
+
 async fn flotilla_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
     let broker = flotilla_broker(&s.url).await?;
     let (_client, js) = raw_context(&s.url, s.window).await?;
@@ -392,8 +430,9 @@ async fn flotilla_publish_round(s: &Settings, job: &str, body: &Bytes) -> anyhow
 
 async fn delete_job_streams(js: &Context, job: &str) {
     let prefix = format!("FLOTILLA_{job}_");
+    let kv_prefix = format!("KV_FLOTILLA_{job}_");
     let names: Vec<String> = js.stream_names().filter_map(|n| async move { n.ok() }).collect().await;
-    for n in names.into_iter().filter(|n| n.starts_with(&prefix)) {
+    for n in names.into_iter().filter(|n| n.starts_with(&prefix) || n.starts_with(&kv_prefix)) {
         let _ = js.delete_stream(n).await;
     }
 }
@@ -522,6 +561,20 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
             let raw = raw_ordered_round(s, &format!("ro{round}"), &body).await?;
             let flotilla = flotilla_ordered_round(s, &format!("fo{round}"), &body).await?;
             p.push(raw, flotilla);
+            progress_line(&p, round);
+        }
+        pairs.push(p);
+    }
+    if only("state") {
+        let mut p = Pair::new(
+            &format!("state: one key per message in a store, {} partitions", s.partitions),
+            "the same Flotilla ordered no-op task, without a store",
+            "none set: the cost of durable state",
+        );
+        for round in 0..s.rounds {
+            let noop = flotilla_ordered_round(s, &format!("sn{round}"), &body).await?;
+            let state = flotilla_state_round(s, &format!("ss{round}"), &body).await?;
+            p.push(noop, state);
             progress_line(&p, round);
         }
         pairs.push(p);

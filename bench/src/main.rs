@@ -20,6 +20,7 @@ mod failover;
 mod jetstream;
 mod memory;
 mod report;
+mod restore;
 mod workload;
 
 use anyhow::{Context as _, bail};
@@ -28,7 +29,8 @@ use flotilla::prelude::*;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-const PAIRS: &[&str] = &["queue", "ordered", "publish", "latency", "embedded", "memory", "failover"];
+const PAIRS: &[&str] =
+    &["queue", "ordered", "state", "publish", "latency", "embedded", "restore", "memory", "failover"];
 
 #[derive(Parser)]
 #[command(about = "Flotilla against raw async-nats and raw actix, side by side")]
@@ -162,7 +164,7 @@ fn main() -> anyhow::Result<()> {
     let system = actix::System::new();
     let result = system.block_on(async move {
         let mut pairs = Vec::new();
-        if ["queue", "ordered", "publish", "latency"].iter().any(|p| only(p)) {
+        if ["queue", "ordered", "state", "publish", "latency"].iter().any(|p| only(p)) {
             let server = flotilla_tests::NatsServer::start();
             let s = jetstream::Settings { url: server.url(), server_pid: server.pid(), ..settings.clone() };
             pairs.extend(jetstream::run(&s, &only).await?);
@@ -171,6 +173,16 @@ fn main() -> anyhow::Result<()> {
         if only("embedded") {
             let n = args.count.unwrap_or(if quick { 20_000 } else { 1_000_000 });
             pairs.extend(embedded::run(n, args.size as usize, rounds, args.batch as usize).await?);
+        }
+        let mut restores = Vec::new();
+        if only("restore") {
+            let keys = if quick { 10_000 } else { 1_000_000 };
+            let embedded = flotilla::transport::EmbeddedBroker::new().shared();
+            restores.push(restore::run(embedded, "embedded", "re", keys).await.context("restore, embedded")?);
+            let server = flotilla_tests::NatsServer::start();
+            let js = connect(&BrokerChoice::Nats(server.url()), "bench-restore").await?;
+            restores.push(restore::run(js, "jetstream", "rj", keys).await.context("restore, jetstream")?);
+            drop(server);
         }
         let memory = if only("memory") {
             let n = args.idle_tasks.unwrap_or(if quick { 1_000 } else { 10_000 });
@@ -184,13 +196,16 @@ fn main() -> anyhow::Result<()> {
         } else {
             None
         };
-        anyhow::Ok((pairs, memory, failover))
+        anyhow::Ok((pairs, restores, memory, failover))
     })?;
-    let (pairs, memory, failover) = result;
+    let (pairs, restores, memory, failover) = result;
     println!();
     println!("== results (medians over {rounds} rounds; ratio = median of per-round flotilla/raw)");
     for p in &pairs {
         report::print_pair(p);
+    }
+    for r in &restores {
+        restore::print(r);
     }
     if let Some(m) = &memory {
         for probe in m {
@@ -213,7 +228,7 @@ fn main() -> anyhow::Result<()> {
     }
     println!("total time {:.1?}", started.elapsed());
     if let Some(path) = args.json {
-        let doc = serde_json::json!({ "pairs": pairs, "memory": memory, "failover": failover });
+        let doc = serde_json::json!({ "pairs": pairs, "restores": restores, "memory": memory, "failover": failover });
         std::fs::write(&path, serde_json::to_vec_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }

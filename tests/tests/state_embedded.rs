@@ -176,6 +176,8 @@ async fn a_restore_that_cannot_read_the_changelog_holds_the_partition_and_report
     embedded.set_unavailable(false);
     vote(&b, 1, "red").await;
     wait_processed(&processed, 1).await;
+    // Every partition's next attempt (backed off up to 45 s) restores it.
+    tokio::time::sleep(Duration::from_secs(60)).await;
     let mut kinds = Vec::new();
     while let Ok(Some(ev)) =
         tokio::time::timeout(Duration::from_millis(10), futures::StreamExt::next(&mut events)).await

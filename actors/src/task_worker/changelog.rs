@@ -82,9 +82,14 @@ pub(crate) async fn restore(
     let commit_key = store::commit_key(&prefix);
     let mut commit = CommitRecord::default();
     let mut commit_revision = 0;
-    let mut records = Vec::new();
+    // A key written again while the scan runs may come twice: the later one counts.
+    let mut latest = std::collections::BTreeMap::new();
     while let Some(entry) = scan.next().await {
         let entry = entry?;
+        latest.insert(entry.key.clone(), entry);
+    }
+    let mut records = Vec::new();
+    for (_, entry) in latest {
         if entry.key == commit_key {
             commit = serde_json::from_slice(&entry.value).map_err(|e| {
                 StateError::Corrupt(format!(
@@ -155,12 +160,16 @@ pub(crate) struct Flush {
     pub commit_msg: OutboundMessage,
 }
 
+/// The hooks that ran at the position, for [`build_flush`].
+pub(crate) type HooksAt = u32;
+
 /// Builds the flush of `changes` as the next of `changelog`'s writer, reflecting inputs
 /// up to `position`.
 pub(crate) fn build_flush(
     changelog: &Changelog,
     changes: Vec<Change>,
     position: u64,
+    hooks: HooksAt,
     epoch: u64,
 ) -> Result<Flush, String> {
     let generation = changelog.commit.generation;
@@ -175,7 +184,7 @@ pub(crate) fn build_flush(
             (c.store, c.key_hex, msg)
         })
         .collect();
-    let commit = CommitRecord { generation, flush, position, epoch, earlier: changelog.commit.earlier.clone() };
+    let commit = CommitRecord { generation, flush, position, hooks, epoch, earlier: changelog.commit.earlier.clone() };
     let payload = serde_json::to_vec(&commit).map_err(|e| e.to_string())?;
     let mut commit_msg =
         OutboundMessage::new(changelog.subject(&store::commit_key(&changelog.prefix)), Bytes::from(payload));
@@ -220,9 +229,13 @@ async fn stored_revision(
         Err(BrokerError::WrongLastSequence { subject, expected, actual }) => {
             let key = subject.strip_prefix(&format!("$KV.{bucket}.")).unwrap_or(&subject).to_owned();
             match broker.kv_get(bucket, &key).await? {
-                Some(entry) if entry.value == msg.payload && entry.revision == actual => Ok(entry.revision),
+                // A record or commit record is unique (its writer's generation and flush
+                // are in it): the key holding its bytes means an earlier try stored it.
+                // (The JetStream publisher does not report the actual revision.)
+                Some(entry) if entry.value == msg.payload => Ok(entry.revision),
                 _ => Err(StateError::Conflict(format!(
-                    "changelog key {key} was written by someone else (expected revision {expected}, found {actual})"
+                    "changelog key {key} was written by someone else (expected revision {expected}{})",
+                    if actual > 0 { format!(", found {actual}") } else { String::new() }
                 ))),
             }
         }

@@ -415,6 +415,10 @@ impl<T: Task> TaskWorker<T> {
     /// before, so that a hook run again at the same position after a crash (on the
     /// same state, restored) sends outputs with the same ids, which the broker drops.
     fn hook_cause(&mut self, kind: HookKind) -> Option<MessageId> {
+        // Only with stores: the restored state makes a hook at the same position the
+        // same hook. Without, a restarted worker's hooks would reuse ids of outputs
+        // that said something else, and the broker would drop them.
+        self.durable.as_ref()?;
         let partition = self.binding.partition?;
         let position = self.applied_through;
         let n = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
@@ -429,6 +433,9 @@ impl<T: Task> TaskWorker<T> {
     /// with backoff, an event each time) and never starts it empty; a changelog that
     /// does not decode (a type changed) fails the task, naming the store and key.
     fn restore(&mut self, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
         let Some(partition) = self.binding.partition else { return };
         let bucket = self.env.subjects.bucket_name(crate::store::STATE);
         let prefix = format!("{}.{partition}", self.binding.stream);
@@ -507,11 +514,11 @@ impl<T: Task> TaskWorker<T> {
         if !unknown.is_empty() {
             warn!(stream, partition, stores = ?unknown, "the changelog holds stores this task does not declare: left as they are");
         }
-        let position = restored.changelog.commit.position;
+        let (position, hooks) = (restored.changelog.commit.position, restored.changelog.commit.hooks);
         d.changelog = Some(restored.changelog);
         d.restore_failures = 0;
         self.applied_through = position;
-        self.hook_at = (position, 0);
+        self.hook_at = (position, hooks);
         emit(
             &self.env.broker,
             &self.env.subjects,
@@ -571,7 +578,11 @@ impl<T: Task> TaskWorker<T> {
                 self.after_commit(then, ctx);
                 return;
             }
-            None => changelog::build_flush(log, changes, position, self.binding.epoch),
+            None => {
+                // Hooks that ran at this position are in the state written.
+                let hooks = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
+                changelog::build_flush(log, changes, position, hooks, self.binding.epoch)
+            }
         };
         match flush {
             Ok(flush) => {
@@ -590,6 +601,9 @@ impl<T: Task> TaskWorker<T> {
         attempt: u32,
         ctx: &mut Context<Self>,
     ) {
+        if self.finished {
+            return;
+        }
         if self.binding.fenced() {
             self.abort_fenced(ctx);
             return;
@@ -627,6 +641,16 @@ impl<T: Task> TaskWorker<T> {
                     warn!(stream = act.binding.stream, partition = ?act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
                     ctx.run_later(delay, move |act, ctx| act.persist(flush, positions, then, attempt + 1, ctx));
                 }
+                Err(changelog::StateError::Conflict(e)) => {
+                    if let Some(d) = &mut act.durable {
+                        d.persisting = false;
+                    }
+                    if act.binding.fenced() {
+                        act.abort_fenced(ctx);
+                    } else {
+                        act.restart_from_changelog(format!("state not stored: {e}"), ctx);
+                    }
+                }
                 Err(e) => {
                     if let Some(d) = &mut act.durable {
                         d.persisting = false;
@@ -637,6 +661,19 @@ impl<T: Task> TaskWorker<T> {
         }));
     }
 
+    /// The state in memory cannot be committed as it is (a message whose changes are
+    /// applied cannot finish, or someone else wrote the partition's changelog): hand
+    /// everything back without committing and end asking for a reset, whatever the
+    /// failure policy. The next worker restores the last commit and goes on from there.
+    fn restart_from_changelog(&mut self, reason: String, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "restarting the partition from its last commit");
+        self.release_all();
+        self.finish(Outcome::Resync(reason), ctx);
+    }
+
     fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
         match then {
             AfterCommit::Drive => self.drive(ctx),
@@ -645,6 +682,14 @@ impl<T: Task> TaskWorker<T> {
                 self.finish(outcome, ctx);
             }
             AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
+        }
+    }
+
+    /// A hook changed the stores: commit soon, also on a partition with no new input
+    /// (its outputs are out; what they report must not be reported again).
+    fn commit_hook_changes(&mut self) {
+        if self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()) {
+            self.state.request_commit();
         }
     }
 
@@ -1032,7 +1077,10 @@ impl<T: Task> TaskWorker<T> {
                             Err(panic) => format!("panicked: {}", panic_text(panic)),
                             Ok(Ok(())) => String::new(),
                         };
-                        act.fail(format!("deferred work of a message failed after its store changes were applied ({why}); the partition restarts from its last commit"), ctx);
+                        act.restart_from_changelog(
+                            format!("deferred work of a message failed after its store changes were applied ({why})"),
+                            ctx,
+                        );
                         return;
                     }
                     match result {
@@ -1142,7 +1190,10 @@ impl<T: Task> TaskWorker<T> {
             && self.inflight.get(&order).is_some_and(|e| e.applied)
         {
             // Its store changes are applied: a retry would apply them twice.
-            self.fail(format!("outputs of a message not stored after its store changes were applied ({err}); the partition restarts from its last commit"), ctx);
+            self.restart_from_changelog(
+                format!("outputs of a message not stored after its store changes were applied ({err})"),
+                ctx,
+            );
             return;
         }
         match flush.target {
@@ -1353,9 +1404,15 @@ impl<T: Task> TaskWorker<T> {
     /// A hook ran and its outputs are stored.
     fn hook_done(&mut self, kind: HookKind, ctx: &mut Context<Self>) {
         match kind {
-            HookKind::Init => {}
-            HookKind::Window => self.state.window_done(),
-            HookKind::Timers => self.state.timer_done(),
+            HookKind::Init => self.commit_hook_changes(),
+            HookKind::Window => {
+                self.state.window_done();
+                self.commit_hook_changes();
+            }
+            HookKind::Timers => {
+                self.state.timer_done();
+                self.commit_hook_changes();
+            }
             HookKind::Commit => {
                 self.commit_then(AfterCommit::Drive, ctx);
                 return;
