@@ -61,7 +61,7 @@ pub async fn run(broker: SharedBroker, label: &str, job: &str, keys: u64) -> any
             }
         }
     }
-    let commit = CommitRecord { generation: 1, flush: 1, position: 0, epoch: 0, earlier: Vec::new() };
+    let commit = CommitRecord { generation: 1, flush: 1, position: 0, hooks: 0, epoch: 0, earlier: Vec::new() };
     broker
         .publish(OutboundMessage::new(
             format!("$KV.{bucket}.{}", store::commit_key(prefix)),
