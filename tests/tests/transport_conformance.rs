@@ -6,8 +6,8 @@
 use bytes::Bytes;
 use flotilla_tests::NatsServer;
 use flotilla_transport::broker::{
-    AckKind, AckPolicy, BrokerError, ConsumerSpec, CoreMessage, KvOperation, KvSpec, OutboundMessage, Retention,
-    StreamSpec,
+    AckKind, AckPolicy, BrokerError, ConsumerSpec, CoreMessage, KvEntry, KvOperation, KvSpec, OutboundMessage,
+    Retention, StreamSpec,
 };
 use flotilla_transport::{EmbeddedBroker, JetStreamBroker, JetStreamOptions, SharedBroker};
 use futures::StreamExt;
@@ -66,6 +66,7 @@ conformance!(
     kv_compare_and_set,
     kv_expiry,
     kv_watch_sees_current_then_changes,
+    kv_scan_reads_the_current_values_and_ends,
     request_reply,
     request_with_no_responders,
     request_timeout,
@@ -581,6 +582,33 @@ mod cases {
         b.kv_delete("LEASES", "p.0", None).await.expect("delete");
         let third = timeout(WAIT, w.next()).await.expect("in time").expect("entry").expect("ok");
         assert_eq!((third.key.as_str(), third.operation), ("p.0", KvOperation::Delete));
+    }
+
+    pub async fn kv_scan_reads_the_current_values_and_ends(b: SharedBroker) {
+        bucket(&b, None).await;
+        // Nothing matches: the scan ends at once.
+        let empty: Vec<_> = timeout(WAIT, b.kv_scan("LEASES", "in.0.>").await.expect("scan").collect::<Vec<_>>())
+            .await
+            .expect("an empty scan ends");
+        assert!(empty.is_empty(), "{empty:?}");
+        for i in 0..300u32 {
+            b.kv_put("LEASES", &format!("in.0.s.{i:04}"), Bytes::from(format!("v{i}"))).await.expect("put");
+        }
+        b.kv_put("LEASES", "in.0.s.0007", Bytes::from("again")).await.expect("put");
+        b.kv_put("LEASES", "in.1.s.0001", Bytes::from("other partition")).await.expect("put");
+        b.kv_delete("LEASES", "in.0.s.0009", None).await.expect("delete");
+        let got: Vec<KvEntry> = timeout(WAIT, b.kv_scan("LEASES", "in.0.>").await.expect("scan").collect::<Vec<_>>())
+            .await
+            .expect("the scan ends")
+            .into_iter()
+            .map(|e| e.expect("entry"))
+            .collect();
+        assert_eq!(got.len(), 300, "one entry per key of the partition, the delete included");
+        let by_key: std::collections::BTreeMap<&str, &KvEntry> = got.iter().map(|e| (e.key.as_str(), e)).collect();
+        assert_eq!(by_key["in.0.s.0007"].value, Bytes::from("again"), "the latest value");
+        assert_eq!(by_key["in.0.s.0009"].operation, KvOperation::Delete);
+        assert_eq!(by_key["in.0.s.0299"].value, Bytes::from("v299"));
+        assert!(got.windows(2).all(|w| w[0].revision < w[1].revision), "in revision order");
     }
 
     pub async fn request_reply(b: SharedBroker) {
