@@ -1,28 +1,32 @@
 //! What a user writes: a [`Task`], and the [`TaskContext`] it works through.
 //!
 //! ```no_run
-//! use flotilla_actors::{StreamDef, Task, TaskContext, TaskError};
+//! use flotilla_actors::{StoreDef, StreamDef, Task, TaskContext, TaskError};
 //! use serde::{Deserialize, Serialize};
-//! use std::collections::HashMap;
 //!
 //! #[derive(Serialize, Deserialize)]
 //! struct Order { id: u64, customer: String, cents: u64 }
 //! #[derive(Serialize, Deserialize)]
 //! struct Total { customer: String, cents: u64 }
 //! const TOTALS: StreamDef<Total> = StreamDef::ordered("totals", 8);
+//! // Durable state, declared on the job with `.store(BY_CUSTOMER).store(CHANGED)`.
+//! const BY_CUSTOMER: StoreDef<String, u64> = StoreDef::new("by-customer");
+//! const CHANGED: StoreDef<String, ()> = StoreDef::new("changed");
 //!
-//! #[derive(Default)]
-//! struct Revenue { by_customer: HashMap<String, u64> }
+//! struct Revenue;
 //!
 //! impl Task for Revenue {
 //!     type Input = Order;
-//!     async fn process(&mut self, order: Order, _ctx: &mut TaskContext) -> Result<(), TaskError> {
-//!         *self.by_customer.entry(order.customer).or_default() += order.cents;
+//!     async fn process(&mut self, order: Order, ctx: &mut TaskContext) -> Result<(), TaskError> {
+//!         ctx.store(&BY_CUSTOMER)?.update(order.customer.clone(), |c| Some(c.unwrap_or(0) + order.cents))?;
+//!         ctx.store(&CHANGED)?.put(order.customer, ())?;
 //!         Ok(())
 //!     }
 //!     async fn window(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
-//!         for (customer, cents) in self.by_customer.drain() {
-//!             ctx.send(&TOTALS, &customer.clone(), Total { customer, cents }).await?;
+//!         for (customer, ()) in ctx.store(&CHANGED)?.entries() {
+//!             let cents = ctx.store(&BY_CUSTOMER)?.get(&customer).unwrap_or(0);
+//!             ctx.send(&TOTALS, &customer.clone(), Total { customer: customer.clone(), cents }).await?;
+//!             ctx.store(&CHANGED)?.delete(&customer);
 //!         }
 //!         Ok(())
 //!     }

@@ -84,9 +84,15 @@ pub(crate) async fn restore(
     let mut commit_revision = 0;
     // A key written again while the scan runs may come twice: the later one counts.
     let mut latest = std::collections::BTreeMap::new();
+    let started = std::time::Instant::now();
+    let mut read = 0u64;
     while let Some(entry) = scan.next().await {
         let entry = entry?;
         latest.insert(entry.key.clone(), entry);
+        read += 1;
+        if read.is_multiple_of(100_000) {
+            tracing::info!(partition = %prefix, keys = read, elapsed = ?started.elapsed(), "restoring state: keys read so far");
+        }
     }
     let mut records = Vec::new();
     for (_, entry) in latest {
