@@ -41,6 +41,8 @@ pub struct Settings {
     pub latency_secs: u64,
     /// The nats-server's pid, to read its CPU time.
     pub server_pid: Option<u32>,
+    /// The state pair's distinct keys (0: every message its own key).
+    pub state_keys: u64,
 }
 
 // Flotilla's defaults that the raw side copies (see `flotilla_actors::TaskConfig` and
@@ -296,14 +298,18 @@ impl Task for Noop {
 /// The state pair's store: a count per message key.
 const PER_KEY: StoreDef<String, u64> = StoreDef::new("per-key");
 
-/// Updates one key per message (its own key, so every message writes one changelog
-/// record at the next commit).
-struct CountPerKey(Progress);
+/// Updates one key per message: the message's own key (every message writes one
+/// changelog record at the next commit), or with `keys > 0` that key modulo `keys`
+/// (changes of one key between commits make one record).
+struct CountPerKey(Progress, u64);
 
 impl Task for CountPerKey {
     type Input = Blob;
     async fn process(&mut self, _blob: Blob, ctx: &mut TaskContext) -> Result<(), TaskError> {
-        let key = ctx.message().and_then(|m| m.key.clone()).unwrap_or_default();
+        let mut key = ctx.message().and_then(|m| m.key.clone()).unwrap_or_default();
+        if self.1 > 0 {
+            key = (key.parse::<u64>().unwrap_or(0) % self.1).to_string();
+        }
         ctx.store(&PER_KEY)?.update(key, |n| Some(n.unwrap_or(0) + 1))?;
         self.0.tick();
         Ok(())
@@ -386,7 +392,8 @@ async fn flotilla_state_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::
     let (progress, done) = Progress::new(s.count, false);
     let p = progress.clone();
     let input = StreamDef::<Blob>::ordered("in", s.partitions);
-    let job_def = Job::new(job).task(input, move |_| CountPerKey(p.clone())).store(PER_KEY);
+    let keys = s.state_keys;
+    let job_def = Job::new(job).task(input, move |_| CountPerKey(p.clone(), keys)).store(PER_KEY);
     job_def.provision(broker.clone()).await?;
     prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
     let running = job_def.start(broker).await?;
@@ -567,7 +574,10 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
     }
     if only("state") {
         let mut p = Pair::new(
-            &format!("state: one key per message in a store, {} partitions", s.partitions),
+            &match s.state_keys {
+                0 => format!("state: one key per message in a store, {} partitions", s.partitions),
+                k => format!("state: one of {k} keys per message in a store, {} partitions", s.partitions),
+            },
             "the same Flotilla ordered no-op task, without a store",
             "none set: the cost of durable state",
         );

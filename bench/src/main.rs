@@ -71,9 +71,14 @@ struct Args {
     /// Lease TTL of the failover nodes.
     #[arg(long, value_parser = parse_duration)]
     lease_ttl: Option<Duration>,
-    /// Run only these pairs (comma-separated): queue, ordered, publish, latency, embedded, memory, failover.
+    /// Run only these pairs (comma-separated): queue, ordered, state, publish, latency, embedded, restore,
+    /// memory, failover.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// The state pair's distinct keys: each message updates its key modulo this (0:
+    /// every message its own key, the worst case).
+    #[arg(long, default_value_t = 0)]
+    state_keys: u64,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
@@ -151,6 +156,7 @@ fn main() -> anyhow::Result<()> {
         latency_rate: args.latency_rate,
         latency_secs: args.latency_time.map_or(if quick { 1 } else { 5 }, |d| d.as_secs().max(1)),
         server_pid: None,
+        state_keys: args.state_keys,
     };
     let started = Instant::now();
     println!(
