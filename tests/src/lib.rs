@@ -57,6 +57,22 @@ pub fn find_nats_server(explicit: Option<PathBuf>, dirs: &[PathBuf]) -> Result<P
 
 /// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
 pub fn free_port() -> u16 {
+    // Below Linux's ephemeral range (32768–60999): a port the OS hands out for port 0
+    // is also what it hands the next outgoing connection, and a server started a moment
+    // later found it taken ("bind: address already in use"). Tests of several processes
+    // start at different points of the range (by PID) and step through it.
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOW: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let start = std::process::id().wrapping_mul(7_919) % SPAN;
+    for _ in 0..SPAN {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (LOW + (start + n.wrapping_mul(13)) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

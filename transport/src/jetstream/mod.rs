@@ -1262,8 +1262,13 @@ impl Broker for JetStreamBroker {
             let store = inner.kv_store(&bucket).await?;
             let op = format!("KV keys of {bucket}");
             let keys = store.keys().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
-            let mut keys: Vec<String> =
-                keys.try_collect().await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            // Its ordered consumer can stop delivering (a replicated bucket electing a
+            // leader): without a deadline the caller (a node's cluster scan) would wait
+            // for ever. It fails, passing, and the caller reads again.
+            let mut keys: Vec<String> = tokio::time::timeout(SCAN_STALL, keys.try_collect())
+                .await
+                .map_err(|_| BrokerError::TimedOut { operation: op.clone(), after: SCAN_STALL })?
+                .map_err(|e| api_error(&op, e, inner.request_timeout))?;
             keys.sort();
             Ok(keys)
         })
@@ -1314,7 +1319,17 @@ impl Broker for JetStreamBroker {
                     if done {
                         return None;
                     }
-                    let item = match messages.next().await? {
+                    // A consumer that stops delivering (its server gone, a leader
+                    // change) must not hold the reader forever: it fails, passing, and
+                    // the reader tries again.
+                    let next = match tokio::time::timeout(SCAN_STALL, messages.next()).await {
+                        Ok(next) => next?,
+                        Err(_) => {
+                            let stalled = BrokerError::TimedOut { operation: op.clone(), after: SCAN_STALL };
+                            return Some((Err(stalled), (messages, true)));
+                        }
+                    };
+                    let item = match next {
                         Err(e) => return Some((Err(BrokerError::other(&op, e)), (messages, true))),
                         Ok(m) => m,
                     };
@@ -1405,6 +1420,10 @@ impl Broker for JetStreamBroker {
         })
     }
 }
+
+/// How long a [`Broker::kv_scan`] waits for its next entry, and a [`Broker::kv_keys`]
+/// for all of its keys, before it fails.
+const SCAN_STALL: Duration = Duration::from_secs(10);
 
 fn kv_entry(bucket: &str, e: jetstream::kv::Entry) -> KvEntry {
     KvEntry {
