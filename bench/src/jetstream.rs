@@ -366,40 +366,33 @@ async fn flotilla_queue_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::
 }
 
 async fn flotilla_ordered_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
+    ordered_round(s, job, body, false).await
+}
+
+async fn flotilla_state_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
+    ordered_round(s, job, body, true).await
+}
+
+/// A round of the ordered input: the no-op task, or with `stored` the task updating a
+/// key of its store per message.
+async fn ordered_round(s: &Settings, job: &str, body: &Bytes, stored: bool) -> anyhow::Result<Measured> {
     let broker = flotilla_broker(&s.url).await?;
     let (_client, js) = raw_context(&s.url, s.window).await?;
     let (progress, done) = Progress::new(s.count, false);
     let p = progress.clone();
     let input = StreamDef::<Blob>::ordered("in", s.partitions);
-    let job_def = Job::new(job).task(input, move |_| Noop(p.clone()));
+    let job_def = if stored {
+        let keys = s.state_keys;
+        Job::new(job).task(input, move |_| CountPerKey(p.clone(), keys)).store(PER_KEY)
+    } else {
+        Job::new(job).task(input, move |_| Noop(p.clone()))
+    };
     job_def.provision(broker.clone()).await?;
     prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
     let running = job_def.start(broker).await?;
     let started = Instant::now();
     let cpu = Cpu::start(s.server_pid);
     tokio::time::timeout(DONE_WITHIN, done).await.context("flotilla ordered round did not finish")??;
-    let names: Vec<String> = (0..s.partitions).map(|p| format!("in-p{p}")).collect();
-    wait_acked(&js, &format!("FLOTILLA_{job}_in"), &names, DONE_WITHIN).await?;
-    let r = Measured::new(s.count, started.elapsed(), &cpu);
-    finish(running).await?;
-    delete_job_streams(&js, job).await;
-    Ok(r)
-}
-
-async fn flotilla_state_round(s: &Settings, job: &str, body: &Bytes) -> anyhow::Result<Measured> {
-    let broker = flotilla_broker(&s.url).await?;
-    let (_client, js) = raw_context(&s.url, s.window).await?;
-    let (progress, done) = Progress::new(s.count, false);
-    let p = progress.clone();
-    let input = StreamDef::<Blob>::ordered("in", s.partitions);
-    let keys = s.state_keys;
-    let job_def = Job::new(job).task(input, move |_| CountPerKey(p.clone(), keys)).store(PER_KEY);
-    job_def.provision(broker.clone()).await?;
-    prefill(&js, job, "in", Some(s.partitions), s.count, body).await?;
-    let running = job_def.start(broker).await?;
-    let started = Instant::now();
-    let cpu = Cpu::start(s.server_pid);
-    tokio::time::timeout(DONE_WITHIN, done).await.context("flotilla state round did not finish")??;
     let names: Vec<String> = (0..s.partitions).map(|p| format!("in-p{p}")).collect();
     wait_acked(&js, &format!("FLOTILLA_{job}_in"), &names, DONE_WITHIN).await?;
     let r = Measured::new(s.count, started.elapsed(), &cpu);

@@ -519,17 +519,8 @@ impl Broker for EmbeddedBroker {
         let result = self.inner.with_bucket(bucket, |s, _| {
             let pattern = format!("$KV.{bucket}.{key}");
             let (tx, rx) = mpsc::unbounded_channel();
-            let mut current: Vec<u64> = s
-                .by_subject
-                .iter()
-                .filter(|(subject, _)| compare::subject_matches(&pattern, subject))
-                .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
-                .collect();
-            current.sort_unstable();
-            for seq in current {
-                if let Some(e) = s.kv_entry(seq) {
-                    let _ = tx.send(Ok(e));
-                }
+            for e in s.kv_current(&pattern) {
+                let _ = tx.send(Ok(e));
             }
             s.kv_watchers.push(state::KvWatcher { pattern, tx });
             UnboundedReceiverStream::new(rx).boxed()
@@ -542,17 +533,8 @@ impl Broker for EmbeddedBroker {
             return ready(Err(e));
         }
         let result = self.inner.with_bucket(bucket, |s, _| {
-            let pattern = format!("$KV.{bucket}.{key}");
-            let mut current: Vec<u64> = s
-                .by_subject
-                .iter()
-                .filter(|(subject, _)| compare::subject_matches(&pattern, subject))
-                .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
-                .collect();
-            current.sort_unstable();
-            let entries: Vec<BrokerResult<KvEntry>> =
-                current.into_iter().filter_map(|seq| s.kv_entry(seq)).map(Ok).collect();
-            futures::stream::iter(entries).boxed()
+            let entries = s.kv_current(&format!("$KV.{bucket}.{key}"));
+            futures::stream::iter(entries.into_iter().map(Ok)).boxed()
         });
         ready(result)
     }

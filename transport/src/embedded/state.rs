@@ -343,6 +343,18 @@ impl Stream {
     }
 
     /// The KV entry stored at `seq`, for a KV stream.
+    /// The current entry of every key whose subject matches `pattern`, in revision order.
+    pub fn kv_current(&self, pattern: &str) -> Vec<KvEntry> {
+        let mut current: Vec<u64> = self
+            .by_subject
+            .iter()
+            .filter(|(subject, _)| subject_matches(pattern, subject))
+            .filter_map(|(_, seqs)| seqs.iter().next_back().copied())
+            .collect();
+        current.sort_unstable();
+        current.into_iter().filter_map(|seq| self.kv_entry(seq)).collect()
+    }
+
     pub fn kv_entry(&self, seq: u64) -> Option<KvEntry> {
         let bucket = self.kv_bucket.as_ref()?;
         let m = self.msgs.get(&seq)?;
