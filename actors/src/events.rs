@@ -112,12 +112,6 @@ impl Event {
 /// Logs the event and publishes it (best effort: events are notifications).
 pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
     let kind = event.type_name();
-    match &event {
-        Event::QueueAvailable { .. } | Event::Recovered { .. } | Event::StateRestored { .. } => {
-            info!(event = kind, detail = ?event, "flotilla event")
-        }
-        _ => warn!(event = kind, detail = ?event, "flotilla event"),
-    }
     let payload = match serde_json::to_vec(&event) {
         Ok(p) => p,
         Err(e) => {
@@ -125,6 +119,14 @@ pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
             return;
         }
     };
+    // The event as JSON: one line per event, readable by people and by log tools.
+    let detail = String::from_utf8_lossy(&payload);
+    match &event {
+        Event::QueueAvailable { .. } | Event::Recovered { .. } | Event::StateRestored { .. } => {
+            info!(event = kind, %detail, "flotilla event")
+        }
+        _ => warn!(event = kind, %detail, "flotilla event"),
+    }
     let fut = broker.core_publish(CoreMessage::new(subjects.event(kind), payload));
     actix::spawn(async move {
         let _ = fut.await;

@@ -3,7 +3,7 @@
 //!
 //! ```no_run
 //! # use flotilla_actors::{Job, StreamDef, Task, TaskContext, TaskError};
-//! # #[derive(serde::Deserialize)] struct Order;
+//! # #[derive(serde::Serialize, serde::Deserialize)] struct Order;
 //! # #[derive(Default)] struct Revenue;
 //! # impl Task for Revenue { type Input = Order;
 //! #   async fn process(&mut self, _: Order, _: &mut TaskContext) -> Result<(), TaskError> { Ok(()) } }
@@ -23,7 +23,7 @@ use crate::container::{Container, ContainerConfig, ContainerExit, SlotContext, S
 use crate::membership::{Buckets, ControlMessage, Deregister, Leave, LeaveReason, Membership, MembershipSetup};
 use crate::reaper::Reaper;
 use crate::retry::RetryPolicy;
-use crate::stream::{StreamDef, StreamKind};
+use crate::stream::{StreamDef, StreamKind, StreamType};
 use crate::task::{Task, TaskEnv};
 use crate::task_worker::{Binding, TaskWorker};
 use crate::timer_service::{Promotion, TimerService};
@@ -124,6 +124,7 @@ pub struct Job {
     name: String,
     tasks: Vec<TaskEntry>,
     outputs: Vec<(&'static str, StreamKind)>,
+    types: Vec<StreamType>,
     run_id: Option<String>,
     codec: Codec,
     container: ContainerConfig,
@@ -144,6 +145,7 @@ impl Job {
             name: name.into(),
             tasks: Vec::new(),
             outputs: Vec::new(),
+            types: Vec::new(),
             run_id: None,
             codec: Codec::default(),
             container: ContainerConfig::default(),
@@ -160,6 +162,7 @@ impl Job {
     /// Adds a task consuming `input`; `factory` builds one task per partition (given the
     /// partition) or, for a queue input, one per node (given `None`).
     pub fn task<T: Task, F: Fn(Option<u32>) -> T + 'static>(mut self, input: StreamDef<T::Input>, factory: F) -> Self {
+        self.add_type(StreamType::of(&input));
         let factory = Rc::new(factory);
         let stores: Rc<std::cell::RefCell<Vec<crate::store::StoreMaker>>> = Rc::default();
         let makers = stores.clone();
@@ -222,9 +225,21 @@ impl Job {
 
     /// Declares an output stream, so it is provisioned when the job starts (outputs are
     /// otherwise created on first send).
-    pub fn output<T>(mut self, stream: StreamDef<T>) -> Self {
+    pub fn output<T: serde::Serialize + serde::de::DeserializeOwned + 'static>(mut self, stream: StreamDef<T>) -> Self {
+        self.add_type(StreamType::of(&stream));
         self.outputs.push((stream.name(), stream.kind()));
         self
+    }
+
+    /// The types of the job's inputs and declared outputs.
+    pub fn stream_types(&self) -> &[StreamType] {
+        &self.types
+    }
+
+    fn add_type(&mut self, t: StreamType) {
+        if !self.types.iter().any(|k| k.stream == t.stream) {
+            self.types.push(t);
+        }
     }
 
     fn last(&mut self, setting: &str) -> Option<&mut TaskConfig> {
@@ -451,7 +466,7 @@ impl Job {
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;
             let spec = match kind {
-                StreamKind::Ordered { .. } => topology::ordered_stream(&subjects, &name, None),
+                StreamKind::Ordered { partitions } => topology::ordered_stream(&subjects, &name, *partitions, None),
                 StreamKind::Queue => topology::queue_stream(&subjects, &name),
             };
             broker.ensure_stream(spec.with_replicas(r)).await?;

@@ -1,5 +1,7 @@
 //! Typed stream definitions.
 
+use flotilla_transport::wire::Codec;
+use serde::{Serialize, de::DeserializeOwned};
 use std::marker::PhantomData;
 
 /// How a stream is laid out.
@@ -65,6 +67,62 @@ impl<T> StreamDef<T> {
     /// The type name in `Flotilla-Type`.
     pub fn type_name(&self) -> &'static str {
         self.type_name.unwrap_or_else(short_type_name::<T>)
+    }
+}
+
+/// What a job knows of one of its streams' types: its layout, and how to show a payload
+/// as JSON and make one from JSON. Job binaries use it for a typed `publish` and to
+/// decode dead letters in `dlq show`.
+#[derive(Clone, Copy)]
+pub struct StreamType {
+    /// The stream's name.
+    pub stream: &'static str,
+    /// Its layout.
+    pub kind: StreamKind,
+    /// The type name in `Flotilla-Type`.
+    pub type_name: &'static str,
+    to_json: fn(&Codec, &[u8]) -> Result<serde_json::Value, String>,
+    from_json: fn(&Codec, serde_json::Value) -> Result<bytes::Bytes, String>,
+}
+
+impl std::fmt::Debug for StreamType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamType").field("stream", &self.stream).field("type_name", &self.type_name).finish()
+    }
+}
+
+impl StreamType {
+    /// The type of `def`'s records.
+    pub fn of<T: Serialize + DeserializeOwned + 'static>(def: &StreamDef<T>) -> Self {
+        Self {
+            stream: def.name(),
+            kind: def.kind(),
+            type_name: def.type_name(),
+            to_json: |codec, bytes| {
+                let value: T = codec.decode(bytes).map_err(|e| e.to_string())?;
+                serde_json::to_value(&value).map_err(|e| e.to_string())
+            },
+            from_json: |codec, json| {
+                let value: T = serde_json::from_value(json).map_err(|e| e.to_string())?;
+                codec.encode(&value).map_err(|e| e.to_string())
+            },
+        }
+    }
+
+    /// A payload of this type as JSON.
+    ///
+    /// # Errors
+    /// Why the payload does not decode as this type.
+    pub fn to_json(&self, codec: &Codec, payload: &[u8]) -> Result<serde_json::Value, String> {
+        (self.to_json)(codec, payload)
+    }
+
+    /// The payload of a record given as JSON.
+    ///
+    /// # Errors
+    /// Why the JSON is not a value of this type.
+    pub fn from_json(&self, codec: &Codec, json: serde_json::Value) -> Result<bytes::Bytes, String> {
+        (self.from_json)(codec, json)
     }
 }
 

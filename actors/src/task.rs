@@ -142,8 +142,9 @@ impl<E: std::error::Error> From<E> for TaskError {
 ///
 /// Every hook but `process` has a default that does nothing.
 pub trait Task: 'static {
-    /// The input message type (serde, encoded with the wire codec).
-    type Input: DeserializeOwned + 'static;
+    /// The input message type (serde, encoded with the wire codec). `Serialize` too, so
+    /// the job binary can publish it from JSON and show dead letters decoded.
+    type Input: DeserializeOwned + Serialize + 'static;
 
     /// Processes one message.
     fn process(&mut self, input: Self::Input, ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>>;
@@ -252,7 +253,7 @@ impl TaskEnv {
     async fn provision_output<T>(&self, def: &StreamDef<T>) -> Result<Rc<str>, TaskError> {
         let name = StreamName::new(def.name()).map_err(|e| TaskError::fatal(e.to_string()))?;
         let spec = match def.kind() {
-            StreamKind::Ordered { .. } => topology::ordered_stream(&self.subjects, &name, None),
+            StreamKind::Ordered { partitions } => topology::ordered_stream(&self.subjects, &name, partitions, None),
             StreamKind::Queue => topology::queue_stream(&self.subjects, &name),
         };
         self.broker

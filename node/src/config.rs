@@ -349,6 +349,37 @@ impl NodeConfig {
         }
         toml::to_string(&shown).unwrap_or_else(|e| format!("# cannot show the configuration: {e}\n"))
     }
+
+    /// What a node would run with: [`to_toml_redacted`](Self::to_toml_redacted) with
+    /// every setting left unset filled in with its default, and a note on what the
+    /// defaults mean.
+    pub fn to_toml_effective(&self) -> String {
+        let mut shown = self.clone();
+        let defaults = flotilla_transport::JetStreamOptions::new("");
+        shown.log.get_or_insert_with(|| self.log_filter().to_owned());
+        shown.log_json.get_or_insert(false);
+        shown.replicas.get_or_insert(1);
+        shown.connect.ping_interval.get_or_insert(defaults.ping_interval);
+        shown.connect.connect_timeout.get_or_insert(defaults.connect_timeout);
+        shown.connect.request_timeout.get_or_insert(defaults.request_timeout);
+        if let Ok(c) = self.cluster_config() {
+            shown.cluster.lease_ttl.get_or_insert(c.lease_ttl);
+            shown.cluster.settle.get_or_insert(c.settle);
+            shown.cluster.max_moves.get_or_insert(c.max_moves);
+        }
+        let mut text = String::new();
+        if self.nats.is_none() {
+            text.push_str("# nats: not set, so a node runs on the embedded broker (in-process, nothing survives it)\n");
+        }
+        if self.node_id.is_none() {
+            text.push_str("# node_id: not set, so a node takes <hostname>-<pid>\n");
+        }
+        if self.run_id.is_none() {
+            text.push_str("# run_id: not set, so a node starts a new run (or joins the current one)\n");
+        }
+        text.push_str(&shown.to_toml_redacted());
+        text
+    }
 }
 
 #[cfg(test)]

@@ -23,12 +23,16 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum ControlCommand {
     /// Show nodes, leases with their epochs, in-flight work, deliveries, backlog and the DLQ.
+    #[command(
+        after_help = "Example:\n  flotilla --job relay status\n  flotilla --job relay status --json | jq .partitions"
+    )]
     Status {
         /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
     },
     /// Append a drain marker to every ordered partition and wait until all are processed.
+    #[command(after_help = "Example:\n  flotilla --job relay drain --deadline 5m")]
     Drain {
         /// Give up (exit 1, naming what is stuck) after this long.
         #[arg(long, default_value = "2m", value_parser = crate::config::parse_duration)]
@@ -38,6 +42,7 @@ pub enum ControlCommand {
         run: Option<String>,
     },
     /// Make one node leave gracefully (its partitions move with no redelivery).
+    #[command(after_help = "Example:\n  flotilla --job relay stop --node b")]
     Stop {
         /// The node id (see `status`).
         #[arg(long)]
@@ -47,12 +52,14 @@ pub enum ControlCommand {
         timeout: Duration,
     },
     /// Make every node leave and exit; waits until each has.
+    #[command(after_help = "Example:\n  flotilla --job relay shutdown --timeout 2m")]
     Shutdown {
         /// How long to wait for the nodes to leave.
         #[arg(long, default_value = "60s", value_parser = crate::config::parse_duration)]
         timeout: Duration,
     },
     /// Stop intake for the job, a stream or one partition.
+    #[command(after_help = "Example:\n  flotilla --job relay pause --stream relay-in --partition 3")]
     Pause {
         /// Only this stream.
         #[arg(long)]
@@ -62,6 +69,7 @@ pub enum ControlCommand {
         partition: Option<u32>,
     },
     /// Undo a pause (the same scope that was paused).
+    #[command(after_help = "Example:\n  flotilla --job relay resume --stream relay-in --partition 3")]
     Resume {
         /// Only this stream.
         #[arg(long)]
@@ -71,6 +79,7 @@ pub enum ControlCommand {
         partition: Option<u32>,
     },
     /// Process exactly one message of a paused partition.
+    #[command(after_help = "Example:\n  flotilla --job relay step --stream relay-in --partition 3")]
     Step {
         /// The stream.
         #[arg(long)]
@@ -78,6 +87,12 @@ pub enum ControlCommand {
         /// The partition.
         #[arg(long)]
         partition: u32,
+    },
+    /// Dead letters: list, show, replay, purge.
+    Dlq {
+        /// What to do.
+        #[command(subcommand)]
+        command: crate::dlq::DlqCommand,
     },
 }
 
@@ -158,6 +173,10 @@ pub struct ClusterStatus {
     pub partitions: Vec<PartitionStatus>,
     /// Messages in the dead-letter stream.
     pub dlq: u64,
+    /// Records stored where no consumer reads them, per subject: on partitions an
+    /// ordered input does not have (only a stream created before streams listed their
+    /// partitions takes them).
+    pub unreachable: BTreeMap<String, u64>,
     /// What is paused.
     pub paused: PauseRecord,
 }
@@ -284,6 +303,26 @@ impl ControlClient {
         }
     }
 
+    /// Records of an ordered stream with `partitions` partitions on subjects no
+    /// partition consumer reads. Only a stream whose subjects are a wildcard can hold
+    /// any, so others cost one stream info.
+    async fn unreachable(&self, stream: &StreamName, partitions: u32) -> Result<BTreeMap<String, u64>, ControlError> {
+        let js = self.subjects.stream_name(stream);
+        let all = self.subjects.ordered_all(stream);
+        match self.broker.stream_state(&js).await {
+            Ok(s) if s.subjects.contains(&all) => {}
+            Ok(_) | Err(BrokerError::StreamNotFound { .. }) => return Ok(BTreeMap::new()),
+            Err(e) => return Err(e.into()),
+        }
+        let counts = self.broker.subject_counts(&js, &all).await?;
+        Ok(counts
+            .into_iter()
+            .filter(|(subject, _)| {
+                subject.rsplit_once('.').and_then(|(_, p)| p.parse::<u32>().ok()).is_none_or(|p| p >= partitions)
+            })
+            .collect())
+    }
+
     /// One partition's line of `status`, given what the nodes said of it (`slots`).
     async fn partition_status(
         &self,
@@ -400,6 +439,11 @@ impl ControlClient {
             .into_iter()
             .collect::<Result<_, _>>()?;
         let dlq = self.broker.stream_state(&self.subjects.dlq_stream_name()).await.map(|s| s.messages).unwrap_or(0);
+        let mut unreachable = BTreeMap::new();
+        for input in &topology.inputs {
+            let (Ok(name), Some(n)) = (StreamName::new(input.stream.clone()), input.partitions) else { continue };
+            unreachable.extend(self.unreachable(&name, n).await?);
+        }
         Ok(ClusterStatus {
             job: self.job.clone(),
             run_id,
@@ -408,6 +452,7 @@ impl ControlClient {
             silent,
             partitions,
             dlq,
+            unreachable,
             paused,
         })
     }
@@ -451,7 +496,7 @@ impl ControlClient {
             markers.insert((stream.clone(), *p), ack.seq);
         }
         if progress {
-            println!(
+            crate::outln!(
                 "drain: markers of run {current} appended to {} partitions; waiting (deadline {deadline:?})",
                 parts.len()
             );
@@ -472,7 +517,7 @@ impl ControlClient {
                 last_done = done.len();
                 let waiting: Vec<String> =
                     parts.iter().filter(|p| !done.contains(*p)).map(|(s, p)| format!("{s}/{p}")).collect();
-                println!(
+                crate::outln!(
                     "drain: {}/{} partitions drained ({:.1}s){}",
                     done.len(),
                     parts.len(),
@@ -482,7 +527,7 @@ impl ControlClient {
             }
             if done.len() == parts.len() {
                 if progress {
-                    println!("drain: done; every partition processed everything before its marker");
+                    crate::outln!("drain: done; every partition processed everything before its marker");
                 }
                 return Ok(());
             }
@@ -526,10 +571,15 @@ impl ControlClient {
             if left.len() != last && progress {
                 last = left.len();
                 if left.is_empty() {
-                    println!("all {} node(s) have left ({:.1}s)", nodes.len(), started.elapsed().as_secs_f64());
+                    crate::outln!("all {} node(s) have left ({:.1}s)", nodes.len(), started.elapsed().as_secs_f64());
                 } else {
                     let names: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
-                    println!("waiting for {} of {} node(s) to leave: {}", left.len(), nodes.len(), names.join(", "));
+                    crate::outln!(
+                        "waiting for {} of {} node(s) to leave: {}",
+                        left.len(),
+                        nodes.len(),
+                        names.join(", ")
+                    );
                 }
             }
             if left.is_empty() {
@@ -568,10 +618,10 @@ impl ControlClient {
         };
         self.broker.kv_put(&self.buckets.control, &keys::stop(node), json(&record)).await?;
         match self.ask(node, "stop", &request).await {
-            Ok(r) if progress => println!("{}: {}", r.node, r.message),
+            Ok(r) if progress => crate::outln!("{}: {}", r.node, r.message),
             Ok(_) => {}
             // It reads the desired state on its next scan anyway.
-            Err(e) if progress => println!("{e}; it will read the stop request from the control bucket"),
+            Err(e) if progress => crate::outln!("{e}; it will read the stop request from the control bucket"),
             Err(_) => {}
         }
         self.wait_gone(&BTreeSet::from([node.to_owned()]), timeout, progress).await
@@ -591,12 +641,12 @@ impl ControlClient {
         };
         self.broker.kv_put(&self.buckets.control, keys::SHUTDOWN, json(&record)).await?;
         if progress {
-            println!("shutdown requested; {} live node(s)", members.len());
+            crate::outln!("shutdown requested; {} live node(s)", members.len());
         }
         let replies = self.broadcast("shutdown", &request).await?;
         if progress {
             for r in &replies {
-                println!("{}: {}", r.node, r.message);
+                crate::outln!("{}: {}", r.node, r.message);
             }
         }
         self.wait_gone(&members, timeout, progress).await
@@ -691,7 +741,7 @@ fn set(set: &mut BTreeSet<String>, item: String, on: bool) {
 
 /// Prints `status` as tables.
 pub fn print_status(s: &ClusterStatus) {
-    println!(
+    crate::outln!(
         "job {} · run {} · {} live node(s) · DLQ {} message(s){}",
         s.job,
         s.run_id.as_deref().unwrap_or("-"),
@@ -699,13 +749,23 @@ pub fn print_status(s: &ClusterStatus) {
         s.dlq,
         if s.paused.job { " · PAUSED" } else { "" }
     );
-    println!();
-    println!(
+    for (subject, n) in &s.unreachable {
+        crate::outln!(
+            "UNREACHABLE: {n} record(s) on {subject}, a partition the stream does not have: no consumer reads them (recreate the stream to drop them)"
+        );
+    }
+    crate::outln!();
+    crate::outln!(
         "{:<24} {:>8} {:>6} {:>9} {:>11} {:>13}  STATE",
-        "NODE", "PID", "SLOTS", "IN-FLIGHT", "DELIVERIES", "REDELIVERIES"
+        "NODE",
+        "PID",
+        "SLOTS",
+        "IN-FLIGHT",
+        "DELIVERIES",
+        "REDELIVERIES"
     );
     for n in &s.nodes {
-        println!(
+        crate::outln!(
             "{:<24} {:>8} {:>6} {:>9} {:>11} {:>13}  {}",
             n.node,
             n.pid,
@@ -717,12 +777,19 @@ pub fn print_status(s: &ClusterStatus) {
         );
     }
     for m in &s.silent {
-        println!("{m:<24} {:>8} (did not answer)", "?");
+        crate::outln!("{m:<24} {:>8} (did not answer)", "?");
     }
-    println!();
-    println!(
+    crate::outln!();
+    crate::outln!(
         "{:<20} {:<24} {:>7} {:>9} {:>10} {:>9} {:>11} {:>13}  FLAGS",
-        "PARTITION", "OWNER", "EPOCH", "BACKLOG", "OLDEST", "IN-FLIGHT", "DELIVERIES", "REDELIVERIES"
+        "PARTITION",
+        "OWNER",
+        "EPOCH",
+        "BACKLOG",
+        "OLDEST",
+        "IN-FLIGHT",
+        "DELIVERIES",
+        "REDELIVERIES"
     );
     for p in &s.partitions {
         let name = match p.partition {
@@ -736,7 +803,7 @@ pub fn print_status(s: &ClusterStatus) {
         if p.drained {
             flags.push("drained");
         }
-        println!(
+        crate::outln!(
             "{:<20} {:<24} {:>7} {:>9} {:>10} {:>9} {:>11} {:>13}  {}",
             name,
             p.owner.as_deref().unwrap_or(if p.partition.is_some() { "-" } else { "(every node)" }),
@@ -754,6 +821,20 @@ pub fn print_status(s: &ClusterStatus) {
 /// Runs a control command for `job` over `broker`, printing what happens. Returns the
 /// process exit code (0 done, 1 not done, 2 refused).
 pub async fn run_command(broker: SharedBroker, job: &str, command: ControlCommand) -> i32 {
+    run_command_typed(broker, job, command, &[]).await
+}
+
+/// As [`run_command`], in a binary that knows the job's stream types (`dlq show`
+/// decodes payloads with them).
+pub async fn run_command_typed(
+    broker: SharedBroker,
+    job: &str,
+    command: ControlCommand,
+    types: &[flotilla_actors::StreamType],
+) -> i32 {
+    if let ControlCommand::Dlq { command } = command {
+        return crate::dlq::run(broker, job, command, types).await;
+    }
     let client = match ControlClient::new(broker, job).await {
         Ok(c) => c,
         Err(e) => {
@@ -764,7 +845,7 @@ pub async fn run_command(broker: SharedBroker, job: &str, command: ControlComman
     let result = match command {
         ControlCommand::Status { json } => client.status().await.map(|s| {
             if json {
-                println!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
+                crate::outln!("{}", serde_json::to_string_pretty(&s).unwrap_or_default());
             } else {
                 print_status(&s);
             }
@@ -772,16 +853,19 @@ pub async fn run_command(broker: SharedBroker, job: &str, command: ControlComman
         ControlCommand::Drain { deadline, run } => client.drain(run, deadline, true).await,
         ControlCommand::Stop { node, timeout } => client.stop(&node, timeout, true).await,
         ControlCommand::Shutdown { timeout } => client.shutdown(timeout, true).await,
-        ControlCommand::Pause { stream, partition } => {
-            client.set_paused(stream.as_deref(), partition, true).await.map(|r| println!("paused: {}", describe(&r)))
-        }
+        ControlCommand::Pause { stream, partition } => client
+            .set_paused(stream.as_deref(), partition, true)
+            .await
+            .map(|r| crate::outln!("paused: {}", describe(&r))),
         ControlCommand::Resume { stream, partition } => client
             .set_paused(stream.as_deref(), partition, false)
             .await
-            .map(|r| println!("paused now: {}", describe(&r))),
-        ControlCommand::Step { stream, partition } => {
-            client.step(&stream, partition).await.map(|node| println!("stepped {stream}/{partition} on node {node}"))
-        }
+            .map(|r| crate::outln!("paused now: {}", describe(&r))),
+        ControlCommand::Step { stream, partition } => client
+            .step(&stream, partition)
+            .await
+            .map(|node| crate::outln!("stepped {stream}/{partition} on node {node}")),
+        ControlCommand::Dlq { .. } => unreachable!("handled above"),
     };
     match result {
         Ok(()) => 0,

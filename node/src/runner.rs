@@ -9,7 +9,7 @@
 use crate::config::{ConfigError, ConnectConfig, NodeConfig, Urls};
 use crate::connect::{BrokerChoice, connect};
 use crate::control::ControlCommand;
-use flotilla_actors::{Job, JobError, JobStopper};
+use flotilla_actors::{Job, JobError, JobStopper, Producer, StreamType};
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use std::future::Future;
 use std::path::PathBuf;
@@ -20,6 +20,7 @@ use tracing::{info, warn};
 /// (`--config`); see [`crate::config`] for the file and the precedence: flags, then
 /// environment, then file, then defaults.
 #[derive(Debug, Clone, Default, clap::Args)]
+#[command(next_help_heading = "Node and connection options (also FLOTILLA_* variables or --config FILE)")]
 pub struct NodeArgs {
     /// A TOML config file (flags and FLOTILLA_* variables override what it says).
     #[arg(long, env = "FLOTILLA_CONFIG", global = true)]
@@ -128,6 +129,23 @@ impl NodeArgs {
         let config = self.resolve()?;
         connect_config(&config, client_name).await
     }
+
+    /// A [`Producer`] for `job` on the NATS server these flags name, with the job's
+    /// replicas for the streams it has to create.
+    ///
+    /// # Errors
+    /// [`NodeError::NeedsNats`] without `--nats` (records sent to an embedded broker of
+    /// their own would vanish with the process), else as [`connect`](Self::connect).
+    pub async fn producer(&self, job: &str) -> Result<Producer, NodeError> {
+        let config = self.resolve()?;
+        if config.urls().is_empty() {
+            return Err(NodeError::NeedsNats("sending records"));
+        }
+        let broker = connect_config(&config, &format!("{job}-producer")).await?;
+        Ok(Producer::new(broker, job)
+            .map_err(|e| NodeError::Producer(e.to_string()))?
+            .with_replicas(config.replicas()?))
+    }
 }
 
 fn default_node_id() -> String {
@@ -172,6 +190,14 @@ pub enum NodeError {
     /// The runtime could not start.
     #[error("cannot start the runtime: {0}")]
     Runtime(String),
+    /// Something that must reach other processes was asked of the embedded broker.
+    #[error(
+        "{0} needs --nats URL (or FLOTILLA_NATS): the embedded broker lives inside one process, so nothing outside it would see the records"
+    )]
+    NeedsNats(&'static str),
+    /// A producer could not be made.
+    #[error("{0}")]
+    Producer(String),
 }
 
 // `main` prints a returned error with `Debug`: make that the readable message.
@@ -188,7 +214,9 @@ impl std::fmt::Debug for NodeError {
 pub fn init_logging(config: &NodeConfig) -> Result<(), NodeError> {
     let filter = tracing_subscriber::EnvFilter::try_new(config.log_filter())
         .map_err(|e| NodeError::LogFilter { filter: config.log_filter().to_owned(), reason: e.to_string() })?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour only on a terminal: escapes in a log file or a pipe are noise.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
     let _ = if config.log_json.unwrap_or(false) { builder.json().try_init() } else { builder.try_init() };
     Ok(())
 }
@@ -332,13 +360,25 @@ impl JobRunner for Job {
             #[command(flatten)]
             node: NodeArgs,
             /// Without a command the binary runs a node of the job; with one it controls
-            /// the job's running nodes.
+            /// the job's running nodes or feeds its streams.
             #[command(subcommand)]
-            command: Option<ControlCommand>,
+            command: Option<JobCommand>,
+        }
+        #[derive(clap::Subcommand)]
+        enum JobCommand {
+            /// Publish records into one of the job's streams (values as JSON, typed).
+            Publish(crate::publish::PublishArgs),
+            #[command(flatten)]
+            Control(ControlCommand),
         }
         let cli = <Cli as clap::Parser>::parse();
         match cli.command {
-            Some(command) => std::process::exit(control(&cli.node, self.name(), command)),
+            Some(JobCommand::Control(command)) => {
+                std::process::exit(control_typed(&cli.node, self.name(), command, self.stream_types()))
+            }
+            Some(JobCommand::Publish(args)) => {
+                std::process::exit(publish(&cli.node, self.name(), &args, self.stream_types()))
+            }
             None => run(self, cli.node, |_| async {}),
         }
     }
@@ -347,6 +387,42 @@ impl JobRunner for Job {
 /// Runs a control command against the running nodes of `job` and returns the exit code
 /// (0 done, 1 not done in time, 2 refused or bad input). Prints what happens.
 pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
+    control_typed(args, job, command, &[])
+}
+
+/// As [`control`], in a binary that knows the job's stream types.
+pub fn control_typed(args: &NodeArgs, job: &str, command: ControlCommand, types: &[StreamType]) -> i32 {
+    with_nats(args, "control commands", move |broker, _| async move {
+        crate::control::run_command_typed(broker, job, command, types).await
+    })
+}
+
+/// Publishes records into `job`'s stream as `publish` describes (see
+/// [`crate::publish`]); returns the exit code (0 sent, 1 broker failure, 2 bad input).
+pub fn publish(args: &NodeArgs, job: &str, publish: &crate::publish::PublishArgs, types: &[StreamType]) -> i32 {
+    with_nats(args, "publish", move |broker, replicas| async move {
+        match crate::publish::publish(&broker, job, publish, types, replicas).await {
+            Ok(_) => 0,
+            Err(e @ crate::publish::PublishError::Input(_)) => {
+                eprintln!("error: {e}");
+                2
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        }
+    })
+}
+
+/// Connects to the NATS server `args` name (refusing the embedded broker: `what` must
+/// reach other processes) and runs `body` on a current-thread runtime; returns its
+/// exit code.
+fn with_nats<'a, F, Fut>(args: &NodeArgs, what: &str, body: F) -> i32
+where
+    F: FnOnce(SharedBroker, usize) -> Fut + 'a,
+    Fut: Future<Output = i32> + 'a,
+{
     let config = match args.resolve() {
         Ok(c) => c,
         Err(e) => {
@@ -356,10 +432,17 @@ pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
     };
     if config.urls().is_empty() {
         eprintln!(
-            "error: control commands need --nats URL (or FLOTILLA_NATS): they talk to nodes through NATS, and the embedded broker lives inside one process"
+            "error: {what} needs --nats URL (or FLOTILLA_NATS): it talks to the job through NATS, and the embedded broker lives inside one process"
         );
         return 2;
     }
+    let replicas = match config.replicas() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
     let _ =
         init_logging(&NodeConfig { log: Some(config.log.clone().unwrap_or_else(|| "warn".into())), ..config.clone() });
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -377,7 +460,7 @@ pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
                 return 1;
             }
         };
-        crate::control::run_command(broker, job, command).await
+        body(broker, replicas).await
     })
 }
 

@@ -516,3 +516,27 @@ pub fn example_bin(name: &str) -> PathBuf {
     assert!(bin.is_file(), "{} was not built", bin.display());
     bin
 }
+
+/// Builds the `flotilla` command-line tool (debug profile) and returns its path.
+///
+/// # Panics
+/// When the build fails.
+pub fn flotilla_bin() -> PathBuf {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(build_flotilla).clone()
+}
+
+fn build_flotilla() -> PathBuf {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .current_dir(&workspace)
+        .args(["build", "--quiet", "-p", "flotilla-node", "--bin", "flotilla"])
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo build --bin flotilla: {e}"));
+    assert!(status.success(), "cargo build --bin flotilla failed");
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
+    let bin = target.join("debug").join("flotilla");
+    assert!(bin.is_file(), "{} was not built", bin.display());
+    bin
+}

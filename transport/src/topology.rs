@@ -9,9 +9,18 @@ use crate::broker::{
 use crate::wire::{StreamName, Subjects};
 use std::time::Duration;
 
-/// An ordered (partitioned) input: Limits retention, subjects `flotilla.<J>.<S>.*`.
-pub fn ordered_stream(subjects: &Subjects, stream: &StreamName, max_age: Option<Duration>) -> StreamSpec {
-    let mut spec = StreamSpec::new(subjects.stream_name(stream), vec![subjects.ordered_all(stream)], Retention::Limits);
+/// An ordered (partitioned) stream: Limits retention, one subject per partition,
+/// `flotilla.<J>.<S>.0` to `flotilla.<J>.<S>.<partitions - 1>`. The server takes
+/// nothing else, so a record published to a partition that does not exist is refused
+/// at publish time instead of being stored where no consumer reads it.
+pub fn ordered_stream(
+    subjects: &Subjects,
+    stream: &StreamName,
+    partitions: u32,
+    max_age: Option<Duration>,
+) -> StreamSpec {
+    let names = (0..partitions.max(1)).map(|p| subjects.ordered_partition(stream, p)).collect();
+    let mut spec = StreamSpec::new(subjects.stream_name(stream), names, Retention::Limits);
     spec.max_age = max_age;
     spec
 }
@@ -98,7 +107,7 @@ pub async fn provision_ordered(
     window: u32,
     replicas: usize,
 ) -> BrokerResult<()> {
-    let spec = ordered_stream(subjects, stream, None).with_replicas(replicas);
+    let spec = ordered_stream(subjects, stream, partitions, None).with_replicas(replicas);
     let name = spec.name.clone();
     broker.ensure_stream(spec).await?;
     for p in 0..partitions {
@@ -198,9 +207,12 @@ mod tests {
     fn specs_follow_the_jetstream_mapping() {
         let s = Subjects::new(JobName::new("relay").expect("job"));
         let input = StreamName::new("relay-in").expect("stream");
-        let st = ordered_stream(&s, &input, None);
+        let st = ordered_stream(&s, &input, 3, None);
         assert_eq!(st.name, "FLOTILLA_relay_relay-in");
-        assert_eq!(st.subjects, vec!["flotilla.relay.relay-in.*".to_string()]);
+        assert_eq!(
+            st.subjects,
+            ["flotilla.relay.relay-in.0", "flotilla.relay.relay-in.1", "flotilla.relay.relay-in.2"]
+        );
         assert_eq!(st.retention, Retention::Limits);
         let c = partition_consumer(&s, &input, 2, Duration::from_secs(30), 256);
         assert_eq!(c.ack_policy, AckPolicy::All);

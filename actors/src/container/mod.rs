@@ -537,7 +537,7 @@ impl Container {
                 Err(e) if act.observer.is_some() && s.reset_failures >= RESETS_BEFORE_HANDING_BACK => {
                     // Cluster mode: a partition this node cannot reset is a partition it
                     // does not serve; hand the lease back so another node tries.
-                    warn!(stream = %s.spec.stream, partition = ?s.spec.partition, error = %e, "could not reset the partition after repeated tries: handing it back");
+                    warn!(stream = %s.spec.stream, partition = s.spec.partition, error = %e, "could not reset the partition after repeated tries: handing it back");
                     s.restart_pending = false;
                     s.finished = true;
                     act.report_ended(i, Outcome::Stopped);
@@ -546,7 +546,7 @@ impl Container {
                     s.reset_failures += 1;
                     let base = Duration::from_millis(250).saturating_mul(1 << s.reset_failures.min(5));
                     let delay = base.min(Duration::from_secs(5)).mul_f64(rand::rng().random_range(0.5..1.5));
-                    warn!(stream = %s.spec.stream, partition = ?s.spec.partition, error = %e, ?delay, "could not reset the partition; its task waits for the reset");
+                    warn!(stream = %s.spec.stream, partition = s.spec.partition, error = %e, ?delay, "could not reset the partition; its task waits for the reset");
                     act.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Restart(i) });
                 }
             }
@@ -703,7 +703,7 @@ impl Handler<WorkerReport> for Container {
                             s.restart_pending = true;
                             let base = Duration::from_millis(100).saturating_mul(1 << s.restarts.min(9));
                             let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.8..1.2));
-                            warn!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
+                            warn!(stream = %s.spec.stream, partition = s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
                             self.timers.do_send(After {
                                 delay,
                                 target: ctx.address().recipient(),
@@ -713,7 +713,7 @@ impl Handler<WorkerReport> for Container {
                     },
                     Outcome::Resync(reason) if !self.stopping && !s.stopping => {
                         // Not a failure: reset the partition at once and go on.
-                        info!(stream = %s.spec.stream, partition = ?s.spec.partition, %reason, "resetting the partition to its committed position");
+                        info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, "resetting the partition to its committed position");
                         s.worker = None;
                         s.restart_pending = true;
                         s.resyncing = true;
@@ -749,7 +749,7 @@ impl Handler<AddSlot> for Container {
         spec.start = add.start;
         let i = self.next_slot;
         self.next_slot += 1;
-        info!(stream = %spec.stream, partition = ?spec.partition, epoch = spec.epoch, "consuming a partition");
+        info!(stream = %spec.stream, partition = spec.partition, epoch = spec.epoch, "consuming a partition");
         let mut slot = Slot::new(spec);
         slot.finished = self.stopping;
         self.slots.insert(i, slot);
@@ -772,7 +772,7 @@ impl Handler<ReleaseSlot> for Container {
         if s.restart_pending {
             // The failed task waits for a restart: nothing runs, so it ends now and the
             // restart is cancelled (the lease goes to whoever takes it next).
-            info!(stream = %s.spec.stream, partition = ?s.spec.partition, "handing over a partition whose task waits for a restart");
+            info!(stream = %s.spec.stream, partition = s.spec.partition, "handing over a partition whose task waits for a restart");
             s.restart_pending = false;
             s.stopping = true;
             s.finished = true;
@@ -783,7 +783,7 @@ impl Handler<ReleaseSlot> for Container {
             return;
         }
         if !s.finished && !s.stopping {
-            info!(stream = %s.spec.stream, partition = ?s.spec.partition, "handing a partition over");
+            info!(stream = %s.spec.stream, partition = s.spec.partition, "handing a partition over");
             s.stopping = true;
             if let Some(w) = &s.worker {
                 w.stop.do_send(StopWorker);

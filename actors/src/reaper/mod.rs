@@ -43,7 +43,9 @@ impl Actor for Reaper {
 /// the reason headers.
 fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<OutboundMessage, BrokerError> {
     let stream = StreamName::new(msg.stream.clone())?;
-    Ok(dead_letter_to(subjects.dlq(&stream), &msg.delivery, msg.reason, &msg.detail))
+    let mut out = dead_letter_to(subjects.dlq(&stream), &msg.delivery, msg.reason, &msg.detail);
+    out.headers.insert(headers::DLQ_ATTEMPTS, msg.attempts.to_string());
+    Ok(out)
 }
 
 /// The dead letter of delivery `d` on `subject`: its payload and headers, the id
@@ -124,6 +126,7 @@ impl Handler<Sweep> for Reaper {
                     partition: None,
                     reason: "max-deliveries",
                     detail: "stranded in the stream after the consumer's max deliveries".into(),
+                    attempts: 0,
                 };
                 broker.publish(dead_letter_message(&subjects, &letter)?).await?;
                 broker.delete_message(&msg.js_stream, seq).await?;

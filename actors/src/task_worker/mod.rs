@@ -638,7 +638,7 @@ impl<T: Task> TaskWorker<T> {
                     if e.class() == ErrorClass::Transient && attempt < act.config.unavailable_retries =>
                 {
                     let delay = unavailable_backoff(attempt + 1);
-                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
+                    warn!(stream = act.binding.stream, partition = act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
                     ctx.run_later(delay, move |act, ctx| act.persist(flush, positions, then, attempt + 1, ctx));
                 }
                 Err(changelog::StateError::Conflict(e)) => {
@@ -669,7 +669,7 @@ impl<T: Task> TaskWorker<T> {
         if self.finished {
             return;
         }
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "restarting the partition from its last commit");
+        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "restarting the partition from its last commit");
         self.release_all();
         self.finish(Outcome::Resync(reason), ctx);
     }
@@ -790,7 +790,12 @@ impl<T: Task> TaskWorker<T> {
                         // The restored state reflects it already: it was processed,
                         // its outputs stored and its changes committed; only its
                         // acknowledgement was lost.
-                        debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, "skipping an input the restored state reflects");
+                        debug!(
+                            stream = self.binding.stream,
+                            partition = self.binding.partition,
+                            seq,
+                            "skipping an input the restored state reflects"
+                        );
                         self.process_done(p.order);
                         self.flushed(FlushTarget::Message(p.order), ctx);
                         continue;
@@ -840,7 +845,7 @@ impl<T: Task> TaskWorker<T> {
                 Ok(None) => act.retries.push_back(order),
                 Ok(Some(starts)) => {
                     let limit = act.config.crash_limit;
-                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
+                    debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
                     act.dead_letter(
                         order,
                         "crash-loop",
@@ -851,7 +856,7 @@ impl<T: Task> TaskWorker<T> {
                     );
                 }
                 Err(e) => {
-                    warn!(stream = act.binding.stream, partition = ?act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
+                    warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
                     act.retries.push_back(order);
                 }
             }
@@ -1050,7 +1055,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let delay = unavailable_backoff(n);
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
+        warn!(stream = self.binding.stream, partition = self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
         self.state.attempt_paused(order);
         self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
     }
@@ -1178,7 +1183,7 @@ impl<T: Task> TaskWorker<T> {
         if class == ErrorClass::Transient && flush.attempt < self.config.unavailable_retries {
             flush.attempt += 1;
             let delay = unavailable_backoff(flush.attempt);
-            warn!(stream = self.binding.stream, partition = ?self.binding.partition, error = %err, ?delay, "outputs not stored; publishing them again");
+            warn!(stream = self.binding.stream, partition = self.binding.partition, error = %err, ?delay, "outputs not stored; publishing them again");
             ctx.run_later(delay, move |act, ctx| {
                 act.publish_queue.push_front(flush);
                 act.pump_publish(ctx);
@@ -1200,7 +1205,7 @@ impl<T: Task> TaskWorker<T> {
             FlushTarget::Message(order) if matches!(class, ErrorClass::Permanent(_)) => {
                 // Publishing the same outputs again can never work.
                 let ErrorClass::Permanent(reason) = class else { return };
-                warn!(stream = self.binding.stream, partition = ?self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
+                debug!(stream = self.binding.stream, partition = self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
                 self.dead_letter(order, reason, format!("output not stored: {err}"), ctx);
             }
             FlushTarget::Message(order) => {
@@ -1257,18 +1262,18 @@ impl<T: Task> TaskWorker<T> {
         let seq = envelope.delivery.info.stream_seq;
         match self.binding.discipline().after_failure(attempt, &self.config.retry) {
             AfterFailure::DeadLetter => {
-                warn!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
+                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
                 self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);
             }
             AfterFailure::RetryInPlace(delay) => {
-                debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
+                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
                 envelope.attempt += 1;
                 envelope.started = None;
                 self.state.attempt_paused(order);
                 self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
             }
             AfterFailure::Nak(delay) => {
-                debug!(stream = self.binding.stream, partition = ?self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
+                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
                 let token = envelope.delivery.token.clone();
                 self.ack(&token, AckKind::Nak(Some(delay)));
                 self.forget(order);
@@ -1297,6 +1302,7 @@ impl<T: Task> TaskWorker<T> {
             partition: self.binding.partition,
             reason,
             detail: detail.clone(),
+            attempts: envelope.attempt,
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
@@ -1465,7 +1471,7 @@ impl<T: Task> TaskWorker<T> {
         if self.finished {
             return;
         }
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "task failed");
+        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "task failed");
         // Keep what is done: commit the completed prefix before handing the rest back.
         // Not with stores: the state in memory may hold changes of messages not
         // finished, and acknowledging without writing it would lose the rest; the next
@@ -1525,7 +1531,12 @@ impl<T: Task> TaskWorker<T> {
         if self.finished {
             return;
         }
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, in_flight = self.inflight.len(), "lease lost: stopping the partition without acking or publishing more");
+        warn!(
+            stream = self.binding.stream,
+            partition = self.binding.partition,
+            in_flight = self.inflight.len(),
+            "lease lost: stopping the partition without acking or publishing more"
+        );
         self.publish_queue.clear();
         let _ = self.state.take_unstarted();
         self.inflight.clear();
@@ -1560,7 +1571,7 @@ impl<T: Task> TaskWorker<T> {
                 if let Some(confirm) = confirm
                     && let Err(e) = confirm.await
                 {
-                    warn!(stream, ?partition, error = %e, "last commit not confirmed; the next owner may process its messages again");
+                    warn!(stream, partition, error = %e, "last commit not confirmed; the next owner may process its messages again");
                 }
                 container.do_send(report);
             }
@@ -1582,7 +1593,12 @@ impl<T: Task> TaskWorker<T> {
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
             if !act.finished {
-                warn!(stream = act.binding.stream, partition = ?act.binding.partition, in_flight = act.inflight.len(), "drain timeout: handing back in-flight messages");
+                warn!(
+                    stream = act.binding.stream,
+                    partition = act.binding.partition,
+                    in_flight = act.inflight.len(),
+                    "drain timeout: handing back in-flight messages"
+                );
                 act.release_all();
                 act.finish(act.stopped_outcome(), ctx);
             }
@@ -1596,7 +1612,7 @@ impl<T: Task> TaskWorker<T> {
         if self.resync.is_some() || self.finished {
             return;
         }
-        warn!(stream = self.binding.stream, partition = ?self.binding.partition, %reason, "delivery sequence broken: committing what arrived complete, then resetting the partition");
+        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "delivery sequence broken: committing what arrived complete, then resetting the partition");
         self.resync = Some(reason);
         self.stop(ctx);
     }
@@ -1745,7 +1761,11 @@ impl<T: Task> Handler<WorkerControl> for TaskWorker<T> {
             WorkerControl::Resume => self.state.resume(),
             WorkerControl::Step => {
                 if !self.state.step() {
-                    debug!(stream = self.binding.stream, partition = ?self.binding.partition, "step ignored: not paused");
+                    debug!(
+                        stream = self.binding.stream,
+                        partition = self.binding.partition,
+                        "step ignored: not paused"
+                    );
                 }
             }
         }

@@ -47,6 +47,11 @@ impl Tolerated {
                 %object, field, %existing, %wanted,
                 "kept as it is, with fewer replicas than asked: raise them with `nats stream edit --replicas {wanted}`"
             );
+        } else if *field == "subjects" {
+            tracing::info!(
+                %object, %existing, %wanted,
+                "kept the subjects of a stream created before streams listed their partitions: it also takes records for partitions that do not exist, which no consumer reads (`status` counts them)"
+            );
         } else {
             tracing::info!(%object, field, %existing, %wanted, "kept the operator's setting (safe to differ)");
         }
@@ -95,11 +100,7 @@ fn replicas(object: String, existing: usize, wanted: usize) -> Option<Tolerated>
 pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<Tolerated>, BrokerError> {
     let object = format!("stream {}", wanted.name);
     let mut tolerated = Vec::new();
-    let mut a = existing.subjects.clone();
-    let mut b = wanted.subjects.clone();
-    a.sort();
-    b.sort();
-    field(&object, "subjects", &a, &b)?;
+    subjects(&object, &existing.subjects, &wanted.subjects, &mut tolerated)?;
     field(&object, "retention", &existing.retention, &wanted.retention)?;
     field(&object, "storage", &existing.storage, &wanted.storage)?;
     limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
@@ -114,6 +115,59 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<T
     }
     tolerated.extend(replicas(object, existing.replicas, wanted.replicas));
     Ok(tolerated)
+}
+
+/// The partition numbers of an ordered stream's subjects (`<prefix>.0` to
+/// `<prefix>.<n-1>`, as `topology::ordered_stream` lists them), with their prefix.
+fn partition_subjects(subjects: &[String]) -> Option<(&str, Vec<u32>)> {
+    let mut prefix = None;
+    let mut partitions = Vec::with_capacity(subjects.len());
+    for s in subjects {
+        let (p, n) = s.rsplit_once('.')?;
+        if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) || prefix.is_some_and(|q| q != p) {
+            return None;
+        }
+        prefix = Some(p);
+        partitions.push(n.parse().ok()?);
+    }
+    partitions.sort_unstable();
+    Some((prefix?, partitions))
+}
+
+/// Subjects must match, with one exception: an ordered stream created before streams
+/// listed their partitions takes `<prefix>.*`, which reads the same partitions (it
+/// also accepts records for partitions that do not exist, which `status` reports).
+fn subjects(
+    object: &str,
+    existing: &[String],
+    wanted: &[String],
+    tolerated: &mut Vec<Tolerated>,
+) -> Result<(), BrokerError> {
+    let mut a = existing.to_vec();
+    let mut b = wanted.to_vec();
+    a.sort();
+    b.sort();
+    if a == b {
+        return Ok(());
+    }
+    match (partition_subjects(&a), partition_subjects(&b)) {
+        (_, Some((prefix, _))) if a.len() == 1 && a[0] == format!("{prefix}.*") => {
+            tolerated.push(Tolerated {
+                object: object.to_owned(),
+                field: "subjects",
+                existing: a[0].clone(),
+                wanted: format!("{prefix}.0 to {prefix}.{}", b.len() - 1),
+            });
+            Ok(())
+        }
+        (Some((p, had)), Some((q, want))) if p == q => Err(BrokerError::ConfigMismatch {
+            object: object.to_owned(),
+            field: "partitions".into(),
+            existing: had.len().to_string(),
+            wanted: format!("{} (a key's partition depends on the count, so it is fixed at creation)", want.len()),
+        }),
+        _ => field(object, "subjects", &a, &b),
+    }
 }
 
 /// `Ok` when `existing` is `wanted` in every field Flotilla sets.
@@ -268,6 +322,15 @@ mod tests {
         let mut resubjected = wanted.clone();
         resubjected.subjects = vec!["t.*".into()];
         assert!(stream(&resubjected, &wanted).is_err());
+        // An ordered stream's partitions: the old wildcard is kept, another count is not.
+        let listed = |n: u32| (0..n).map(|p| format!("f.j.s.{p}")).collect::<Vec<_>>();
+        let four = StreamSpec::new("S", listed(4), super::super::Retention::Limits);
+        let old = StreamSpec::new("S", vec!["f.j.s.*".into()], super::super::Retention::Limits);
+        let notes = stream(&old, &four).expect("the wildcard reads the same partitions");
+        assert_eq!((notes[0].field, notes[0].wanted.as_str()), ("subjects", "f.j.s.0 to f.j.s.3"));
+        let eight = StreamSpec::new("S", listed(8), super::super::Retention::Limits);
+        let err = stream(&eight, &four).expect_err("another partition count").to_string();
+        assert!(err.contains("partitions = 8") && err.contains("wants 4"), "{err}");
         let bucket = KvSpec::new("LEASES", Some(std::time::Duration::from_secs(6)));
         let other_ttl = KvSpec::new("LEASES", Some(std::time::Duration::from_secs(9)));
         assert!(kv(&other_ttl, &bucket).is_err(), "a lease TTL is never tolerated");

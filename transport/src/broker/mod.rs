@@ -81,6 +81,14 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// [`BrokerError::StreamNotFound`].
     fn stream_state(&self, stream: &str) -> BoxFuture<BrokerResult<StreamState>>;
 
+    /// How many messages `stream` holds per subject matching `filter` (a subject with
+    /// `*` and `>` wildcards); subjects with none are left out.
+    fn subject_counts(
+        &self,
+        stream: &str,
+        filter: &str,
+    ) -> BoxFuture<BrokerResult<std::collections::BTreeMap<String, u64>>>;
+
     /// Creates the durable pull consumer if it does not exist, then reads it back. An
     /// existing consumer whose ack-wait, max deliveries or max ack-pending differ is
     /// updated to `spec` (logged); one whose filter or ack policy differ is refused.

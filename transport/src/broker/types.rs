@@ -265,6 +265,8 @@ pub struct StreamState {
     pub last_seq: u64,
     /// Number of consumers.
     pub consumers: usize,
+    /// The subjects it takes.
+    pub subjects: Vec<String>,
 }
 
 /// How a consumer acknowledges.

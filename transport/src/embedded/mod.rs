@@ -270,6 +270,23 @@ impl Broker for EmbeddedBroker {
         }))
     }
 
+    fn subject_counts(
+        &self,
+        stream: &str,
+        filter: &str,
+    ) -> BoxFuture<BrokerResult<std::collections::BTreeMap<String, u64>>> {
+        let mut st = self.inner.lock();
+        let now = self.inner.clock.now();
+        ready(st.stream(stream).map(|s| {
+            s.expire(now);
+            s.by_subject
+                .iter()
+                .filter(|(subject, seqs)| !seqs.is_empty() && crate::broker::compare::subject_matches(filter, subject))
+                .map(|(subject, seqs)| (subject.to_string(), seqs.len() as u64))
+                .collect()
+        }))
+    }
+
     fn ensure_consumer(&self, stream: &str, spec: ConsumerSpec) -> BoxFuture<BrokerResult<ConsumerState>> {
         let mut st = self.inner.lock();
         let result = st.stream(stream).and_then(|s| {

@@ -189,6 +189,7 @@ impl Stream {
             first_seq: self.msgs.keys().next().copied().unwrap_or(self.last_seq + 1),
             last_seq: self.last_seq,
             consumers: self.consumers.len(),
+            subjects: self.spec.subjects.clone(),
         }
     }
 

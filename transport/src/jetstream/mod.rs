@@ -363,6 +363,7 @@ fn stream_state(info: &stream::Info) -> StreamState {
         first_seq: info.state.first_sequence,
         last_seq: info.state.last_sequence,
         consumers: info.state.consumer_count,
+        subjects: info.config.subjects.clone(),
     }
 }
 
@@ -377,7 +378,7 @@ fn publish_payload_check(msg: &OutboundMessage, limit: usize) -> BrokerResult<()
 
 /// async-nats's form of Flotilla's own header names, in the order of `headers::KNOWN`,
 /// built at compile time: an output's names are neither looked up nor checked again.
-static NATS_NAMES: [async_nats::HeaderName; 18] = {
+static NATS_NAMES: [async_nats::HeaderName; 19] = {
     use crate::wire::headers::*;
     use async_nats::HeaderName;
     [
@@ -399,6 +400,7 @@ static NATS_NAMES: [async_nats::HeaderName; 18] = {
         HeaderName::from_static(DLQ_SUBJECT),
         HeaderName::from_static(DLQ_SEQ),
         HeaderName::from_static(DLQ_DELIVERIES),
+        HeaderName::from_static(DLQ_ATTEMPTS),
     ]
 };
 
@@ -857,6 +859,27 @@ impl Broker for JetStreamBroker {
             let info =
                 s.info().await.map_err(|e| api_error(&format!("stream info {stream}"), e, inner.request_timeout))?;
             Ok(stream_state(info))
+        })
+    }
+
+    fn subject_counts(
+        &self,
+        stream: &str,
+        filter: &str,
+    ) -> BoxFuture<BrokerResult<std::collections::BTreeMap<String, u64>>> {
+        let inner = self.inner.clone();
+        let (stream, filter) = (stream.to_owned(), filter.to_owned());
+        Box::pin(async move {
+            let op = format!("subjects of stream {stream}");
+            let s = inner.stream_handle(&stream).await?;
+            let mut subjects =
+                s.info_with_subjects(filter).await.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+            let mut counts = std::collections::BTreeMap::new();
+            while let Some(item) = subjects.next().await {
+                let (subject, n) = item.map_err(|e| api_error(&op, e, inner.request_timeout))?;
+                counts.insert(subject, n as u64);
+            }
+            Ok(counts)
         })
     }
 

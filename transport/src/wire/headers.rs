@@ -43,9 +43,11 @@ pub const DLQ_SUBJECT: &str = "Flotilla-Dlq-Subject";
 pub const DLQ_SEQ: &str = "Flotilla-Dlq-Seq";
 /// How many times the message had been delivered, decimal.
 pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
+/// How many attempts the task made, decimal (0 when it never ran, e.g. `malformed`).
+pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 18] = [
+pub(crate) const KNOWN: [&str; 19] = [
     MSG_ID,
     KEY,
     KIND,
@@ -64,6 +66,7 @@ pub(crate) const KNOWN: [&str; 18] = [
     DLQ_SUBJECT,
     DLQ_SEQ,
     DLQ_DELIVERIES,
+    DLQ_ATTEMPTS,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a

@@ -1,0 +1,230 @@
+//! Getting data in and dead letters back out, against a real nats-server: the typed
+//! `Producer`, partitions a stream does not have, `flotilla publish`, and the DLQ
+//! listed, shown, replayed after a fix (each record delivered once) and purged.
+
+use flotilla_actors::{Job, Producer, StreamDef, Task, TaskContext, TaskError};
+use flotilla_node::dlq::DeadLetters;
+use flotilla_tests::{NatsServer, flotilla_bin};
+use flotilla_transport::broker::{AckPolicy, BrokerError, ConsumerSpec, OutboundMessage, SharedBroker, StreamSpec};
+use flotilla_transport::wire::Codec;
+use flotilla_transport::{JetStreamBroker, JetStreamOptions};
+use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Order {
+    id: u64,
+    note: String,
+}
+
+const IN: StreamDef<Order> = StreamDef::ordered("orders", 4);
+const OUT: StreamDef<Order> = StreamDef::ordered("shipped", 4);
+
+/// Forwards orders; one with a note starting "bug" fails until the bug is fixed.
+struct Ship {
+    fixed: Rc<Cell<bool>>,
+}
+
+impl Task for Ship {
+    type Input = Order;
+    async fn process(&mut self, order: Order, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        if order.note.starts_with("bug") && !self.fixed.get() {
+            return Err(TaskError::failed("the shipping code has a bug"));
+        }
+        ctx.send(&OUT, &order.id.to_string(), &order).await
+    }
+}
+
+async fn connect(server: &NatsServer) -> SharedBroker {
+    JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared()
+}
+
+async fn count(b: &SharedBroker, stream: &str) -> u64 {
+    b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0)
+}
+
+async fn wait_count(b: &SharedBroker, stream: &str, n: u64, within: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if count(b, stream).await >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
+}
+
+/// How many times each order id reached `shipped`.
+async fn shipped(b: &SharedBroker) -> BTreeMap<u64, u32> {
+    let name = format!("check-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
+    let spec =
+        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
+    b.ensure_consumer("FLOTILLA_shop_shipped", spec).await.expect("checker consumer");
+    let mut out = BTreeMap::new();
+    loop {
+        let got = b.claim("FLOTILLA_shop_shipped", &name, 1000, Duration::from_millis(300)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            let order: Order = Codec::default().decode(&d.payload).expect("an order");
+            *out.entry(order.id).or_default() += 1;
+        }
+    }
+    b.delete_consumer("FLOTILLA_shop_shipped", &name).await.expect("delete checker");
+    out
+}
+
+#[actix_rt::test]
+async fn a_producer_feeds_a_job_and_dead_letters_replayed_after_the_fix_arrive_once() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    // Records sent before any node ran: the producer creates the stream.
+    let producer = Producer::new(b.clone(), "shop").expect("producer");
+    let orders: Vec<(String, Order)> = (0..100)
+        .map(|id| {
+            let note = if id % 40 == 7 { format!("bug-{id}") } else { "ok".into() };
+            (id.to_string(), Order { id, note })
+        })
+        .collect();
+    let sent = producer.send_batch(&IN, orders.iter().map(|(k, o)| (k.as_str(), o))).await.expect("batch");
+    assert_eq!(sent.len(), 100);
+    for (s, (key, _)) in sent.iter().zip(&orders) {
+        let p = flotilla_transport::wire::partition_for(key, 4);
+        assert_eq!((s.partition, s.subject.as_str()), (Some(p), format!("flotilla.shop.orders.{p}").as_str()));
+        assert!(!s.duplicate);
+    }
+    // The same id again is stored once.
+    let again = producer.send_with_id(&IN, &sent[0].id, "0", &orders[0].1).await.expect("resend");
+    assert!(again.duplicate, "{again:?}");
+    // A partition the stream does not have is refused at publish time.
+    let stray = OutboundMessage::new("flotilla.shop.orders.99", Codec::default().encode(&orders[1].1).expect("enc"));
+    match b.publish(stray).await {
+        Err(BrokerError::NoStream { subject }) => assert_eq!(subject, "flotilla.shop.orders.99"),
+        other => panic!("a record for partition 99 of 4 was not refused: {other:?}"),
+    }
+
+    let fixed = Rc::new(Cell::new(false));
+    let f = fixed.clone();
+    let job = Job::new("shop")
+        .task(IN, move |_| Ship { fixed: f.clone() })
+        .max_attempts(2)
+        .retry(flotilla_actors::RetryPolicy {
+            max_attempts: 2,
+            initial_backoff: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .output(OUT)
+        .start(b.clone())
+        .await
+        .expect("start");
+    // A delayed record goes through the timer stream.
+    let later = producer
+        .send_after(&IN, "1000", Order { id: 1000, note: "later".into() }, Duration::from_millis(500))
+        .await
+        .expect("delayed");
+    assert!(later.subject.starts_with("flotilla.shop.orders."), "{later:?}");
+    wait_count(&b, "FLOTILLA_shop_shipped", 98, Duration::from_secs(30)).await;
+    wait_count(&b, "FLOTILLA_shop_DLQ", 3, Duration::from_secs(30)).await;
+
+    let dlq = DeadLetters::new(b.clone(), "shop").expect("dlq");
+    let entries = dlq.list(Some("orders"), Some("max-attempts"), 100).await.expect("list");
+    let mut keys: Vec<_> = entries.iter().filter_map(|e| e.key.clone()).collect();
+    keys.sort();
+    assert_eq!(keys, ["47", "7", "87"], "{entries:?}");
+    assert!(entries.iter().all(|e| e.attempts == 2 && e.subject.starts_with("flotilla.shop.orders.")), "{entries:?}");
+    assert!(dlq.list(None, Some("malformed"), 100).await.expect("list").is_empty());
+
+    // The bug is fixed; the dead letters go back, each once, even when replayed twice.
+    fixed.set(true);
+    assert_eq!(dlq.replay(&[], true, Some("orders"), None, false).await.expect("replay"), 3);
+    assert_eq!(dlq.replay(&[], true, None, None, false).await.expect("nothing left"), 0);
+    let gone = dlq.replay(&[entries[0].id], false, None, None, false).await.expect_err("gone");
+    assert!(gone.to_string().contains("no dead letter"), "{gone}");
+    wait_count(&b, "FLOTILLA_shop_shipped", 101, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counts = shipped(&b).await;
+    assert_eq!(counts.len(), 101, "every order and the delayed one: {counts:?}");
+    assert!(counts.values().all(|&n| n == 1), "each shipped once: {counts:?}");
+    assert_eq!(count(&b, "FLOTILLA_shop_DLQ").await, 0);
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
+
+fn flotilla(server: &NatsServer, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(flotilla_bin())
+        .args(["--nats", &server.url(), "--job", "shop"])
+        .args(args)
+        .env_remove("FLOTILLA_JOB")
+        .env_remove("FLOTILLA_NATS")
+        .output()
+        .expect("run flotilla");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[actix_rt::test]
+async fn flotilla_publish_and_the_dlq_commands_work_from_the_command_line() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    // A stream made before streams listed their partitions, holding a stray record.
+    b.ensure_stream(StreamSpec::new(
+        "FLOTILLA_shop_orders",
+        vec!["flotilla.shop.orders.*".into()],
+        flotilla_transport::broker::Retention::Limits,
+    ))
+    .await
+    .expect("old stream");
+    b.publish(OutboundMessage::new("flotilla.shop.orders.99", &b"stray"[..])).await.expect("stray");
+    let job = Job::new("shop")
+        .task(IN, |_| Ship { fixed: Rc::new(Cell::new(true)) })
+        .max_attempts(2)
+        .output(OUT)
+        .start_node(b.clone(), "cli-node", flotilla_actors::cluster::ClusterConfig::default())
+        .await
+        .expect("start on the old stream");
+
+    // Raw bytes are not an Order: the node dead-letters them as malformed.
+    let (code, _, err) = flotilla(&server, &["publish", "--stream", "orders", "--key", "k1", "--data", "not an order"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("published 1 of 1"), "{err}");
+    let (code, _, err) = flotilla(&server, &["publish", "--stream", "orders", "--partition", "9", "--data", "x"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("4 partition(s), 0 to 3"), "{err}");
+    let (code, _, err) = flotilla(&server, &["publish", "--stream", "orders", "--json", "{\"id\": 1}"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("use the job's binary"), "{err}");
+    wait_count(&b, "FLOTILLA_shop_DLQ", 1, Duration::from_secs(30)).await;
+
+    let (code, out, err) = flotilla(&server, &["dlq", "list", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let entries: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).expect("json line")).collect();
+    assert_eq!(entries.len(), 1, "{out}");
+    assert_eq!(entries[0]["reason"], "malformed", "{out}");
+    assert_eq!(entries[0]["key"], "k1", "{out}");
+    let id = entries[0]["id"].as_u64().expect("id").to_string();
+    let (code, out, err) = flotilla(&server, &["dlq", "show", &id]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("reason:   malformed") && out.contains("not an order"), "{out}");
+    let (code, _, err) = flotilla(&server, &["dlq", "purge"]);
+    assert_eq!(code, 2, "purge needs ids or --all: {err}");
+    let (code, _, err) = flotilla(&server, &["dlq", "purge", &id]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("purged 1 of 1"), "{err}");
+    assert_eq!(count(&b, "FLOTILLA_shop_DLQ").await, 0);
+
+    let (code, out, err) = flotilla(&server, &["status", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).expect("status json");
+    assert_eq!(status["dlq"], 0, "{out}");
+    assert_eq!(status["unreachable"]["flotilla.shop.orders.99"], 1, "{out}");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
