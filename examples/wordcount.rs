@@ -11,8 +11,8 @@
 
 use clap::Parser;
 use flotilla::prelude::*;
-use flotilla::transport::broker::{ConsumerSpec, OutboundMessage};
-use flotilla::transport::wire::{Codec, headers, partition_for};
+use flotilla::transport::broker::ConsumerSpec;
+use flotilla::transport::wire::Codec;
 use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -118,24 +118,15 @@ fn main() -> anyhow::Result<()> {
     let sum = summary.clone();
     let seen_driver = seen.clone();
     flotilla::node::run(job, args.node, move |node| async move {
-        let codec = Codec::default();
-        let mut batch = Vec::new();
-        for doc in 0..repeat {
-            let key = doc.to_string();
-            let line = Line { doc, text: TEXT.to_owned() };
-            let Ok(payload) = codec.encode(&line) else { return };
-            batch.push(
-                OutboundMessage::new(format!("flotilla.wordcount.lines.{}", partition_for(&key, PARTITIONS)), payload)
-                    .with_id(format!("wordcount-{}-doc-{doc}", node.run_id))
-                    .with_header(headers::KEY, key),
-            );
-        }
-        for ack in node.broker.publish_batch(batch).await {
-            if let Err(e) = ack {
-                eprintln!("wordcount: feeding the text failed: {e}");
-                node.stopper.stop();
-                return;
-            }
+        let lines = (0..repeat).map(|doc| (doc.to_string(), Line { doc, text: TEXT.to_owned() }));
+        let fed = match Producer::new(node.broker.clone(), "wordcount") {
+            Ok(producer) => producer.send_batch(&LINES, lines).await.map(drop),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = fed {
+            eprintln!("wordcount: feeding the text failed: {e}");
+            node.stopper.stop();
+            return;
         }
         // Wait until every word was counted and a window has emitted the totals.
         let deadline = Instant::now() + Duration::from_secs(120);
@@ -162,7 +153,7 @@ fn main() -> anyhow::Result<()> {
                     break;
                 }
                 for d in got {
-                    if let Ok(wc) = codec.decode::<WordCount>(&d.payload) {
+                    if let Ok(wc) = Codec::default().decode::<WordCount>(&d.payload) {
                         let e = latest.entry(wc.word).or_default();
                         *e = (*e).max(wc.count);
                     }
