@@ -375,6 +375,14 @@ impl<M> TaskState<M> {
         self.started_at.remove(&order);
     }
 
+    /// A started envelope is handed back unfinished (a stop interrupted its back-off):
+    /// it no longer counts as in flight, and it stays outstanding, so the commit
+    /// position never passes it.
+    pub fn release(&mut self, order: u64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.started_at.remove(&order);
+    }
+
     /// A process that finished must run again (its outputs were not stored): it counts
     /// as in flight again.
     pub fn restart(&mut self, order: u64, now: Instant) {
@@ -551,6 +559,22 @@ mod tests {
         assert_eq!(s.done(a.order), Some((0, a.order)), "a done: prefix is a");
         assert_eq!(s.committable_for(0), Some(0));
         assert_eq!(s.done(b.order), Some((0, c.order)), "b done: prefix jumps to c");
+    }
+
+    #[test]
+    fn a_released_envelope_frees_its_slot_and_holds_the_commit_position_before_it() {
+        let mut s = task(2, false);
+        for m in ["a", "b", "c"] {
+            s.insert(0, EnvelopeKind::Data, m);
+        }
+        let (a, b) = (expect_process(&mut s), expect_process(&mut s));
+        assert_eq!(s.done(a.order), Some((0, a.order)));
+        s.attempt_paused(b.order);
+        s.release(b.order);
+        assert_eq!(s.in_flight(), 0, "a stop handed b back: nothing runs");
+        let c = expect_process(&mut s);
+        assert_eq!(s.done(c.order), None, "c is done, but the commit never passes b");
+        assert_eq!(s.committable_for(0), Some(a.order));
     }
 
     #[test]

@@ -1176,3 +1176,52 @@ async fn outputs_too_large_dead_letter_at_once_and_unavailable_retries_have_a_ce
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// Interrupted is not failed: a stop does not wait out a retry back-off. The message
+/// waiting for its next attempt is handed back at once, the commit stops before it,
+/// and the next run of the partition gets it again.
+#[actix_rt::test]
+async fn a_stop_hands_back_a_message_waiting_out_its_back_off_at_once() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = |b: &SharedBroker| {
+        Job::new("t")
+            .task(IN, |_| Relay::<false>)
+            .retry(flotilla_actors::RetryPolicy {
+                max_attempts: 3,
+                initial_backoff: Duration::from_secs(600),
+                jitter: 0.0,
+                ..Default::default()
+            })
+            .drain_timeout(Duration::from_secs(300))
+            .start(b.clone())
+    };
+    let running = job(&b).await.expect("start");
+    publish(&b, "in", true, 1, "poison").await;
+    for _ in 0..200 {
+        if calls(1) == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(calls(1), 1, "the first attempt failed and the record waits 10 minutes for its second");
+    let stopping = tokio::time::Instant::now();
+    running.stop();
+    running.wait().await.expect("clean stop");
+    let took = stopping.elapsed();
+    assert!(took < Duration::from_secs(60), "the stop waited {took:?} (drain timeout 300 s, back-off 600 s)");
+    let p = partition_for("1", 4);
+    let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
+    assert_eq!(c.ack_floor, 0, "nothing committed past the record handed back: {c:?}");
+
+    let again = job(&b).await.expect("restart");
+    for _ in 0..200 {
+        if calls(1) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(calls(1), 2, "the next run of the partition got it again");
+    again.stop();
+    again.wait().await.expect("clean stop");
+}

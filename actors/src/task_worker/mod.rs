@@ -64,7 +64,7 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// The job's KV bucket of suspects ([`SuspectRecord`] per partition).
 pub const SUSPECTS: &str = "SUSPECTS";
@@ -142,6 +142,9 @@ struct Envelope {
     /// Its `process` returned and its store changes are applied (tasks with stores):
     /// from here on it cannot be retried, only finished or restored from the changelog.
     applied: bool,
+    /// It waits for its next attempt (a retry back-off): no callback runs for it, so a
+    /// stop hands it back at once instead of waiting out the back-off.
+    backing_off: bool,
 }
 
 /// Outputs waiting to be published, and what they belong to.
@@ -782,6 +785,7 @@ impl<T: Task> TaskWorker<T> {
                         dead_letter: None,
                         unavailable: 0,
                         applied: false,
+                        backing_off: false,
                     };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     let seq = envelope.delivery.info.stream_seq;
@@ -937,6 +941,7 @@ impl<T: Task> TaskWorker<T> {
         }
         let now = Instant::now();
         envelope.started = Some(now);
+        envelope.backing_off = false;
         if envelope.counted {
             self.state.attempt_started(order, now);
         }
@@ -1056,6 +1061,7 @@ impl<T: Task> TaskWorker<T> {
         }
         let delay = unavailable_backoff(n);
         warn!(stream = self.binding.stream, partition = self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
+        envelope.backing_off = true;
         self.state.attempt_paused(order);
         self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
     }
@@ -1269,6 +1275,7 @@ impl<T: Task> TaskWorker<T> {
                 debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
                 envelope.attempt += 1;
                 envelope.started = None;
+                envelope.backing_off = true;
                 self.state.attempt_paused(order);
                 self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
             }
@@ -1506,6 +1513,31 @@ impl<T: Task> TaskWorker<T> {
         self.completed(count);
     }
 
+    /// Hands back the messages waiting for a retry: a stop does not wait out their
+    /// back-off. The commit position stays before them, so whoever runs the partition
+    /// next gets them again.
+    fn hand_back_backing_off(&mut self) {
+        let waiting: Vec<u64> =
+            self.inflight.iter().filter(|(_, e)| e.backing_off && !e.applied).map(|(&order, _)| order).collect();
+        if waiting.is_empty() {
+            return;
+        }
+        info!(
+            stream = self.binding.stream,
+            partition = self.binding.partition,
+            messages = waiting.len(),
+            "stopping: handing back what waits for a retry instead of waiting out its back-off"
+        );
+        for order in waiting {
+            let Some(e) = self.inflight.remove(&order) else { continue };
+            self.claimed.remove(&order);
+            if e.counted {
+                self.state.release(order);
+            }
+            self.hand_back(&e.delivery.token);
+        }
+    }
+
     /// Gives a claimed, unfinished message back ([`Discipline::release`]).
     fn hand_back(&mut self, token: &AckToken) {
         if let Some(kind) = self.binding.discipline().release() {
@@ -1588,8 +1620,10 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         self.stopping = true;
-        // Interrupted is not failed: hand back at once what has not started.
+        // Interrupted is not failed: hand back at once what has not started, and what
+        // waits out a retry back-off.
         self.hand_back_unstarted();
+        self.hand_back_backing_off();
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
             if !act.finished {
