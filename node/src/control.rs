@@ -32,7 +32,9 @@ pub enum ControlCommand {
         json: bool,
     },
     /// Append a drain marker to every ordered partition and wait until all are processed.
-    #[command(after_help = "Example:\n  flotilla --job relay drain --deadline 5m")]
+    #[command(
+        after_help = "Examples:\n  flotilla --job relay drain --deadline 5m\n  flotilla --job relay drain --cancel"
+    )]
     Drain {
         /// Give up (exit 1, naming what is stuck) after this long.
         #[arg(long, default_value = "2m", value_parser = crate::config::parse_duration)]
@@ -40,6 +42,10 @@ pub enum ControlCommand {
         /// The run to drain (default: the current one; another one is refused).
         #[arg(long)]
         run: Option<String>,
+        /// Cancel a pending drain instead: a new run begins, so nodes started from now
+        /// on pass the old run's markers (nodes still running keep draining until restarted).
+        #[arg(long, conflicts_with = "run")]
+        cancel: bool,
     },
     /// Make one node leave gracefully (its partitions move with no redelivery).
     #[command(after_help = "Example:\n  flotilla --job relay stop --node b")]
@@ -156,6 +162,19 @@ pub struct PartitionStatus {
     pub drained: bool,
 }
 
+/// A drain requested for the current run and not finished.
+#[derive(Debug, Clone, Serialize)]
+pub struct PendingDrain {
+    /// The run.
+    pub run_id: String,
+    /// When it was requested (ms since the Unix epoch).
+    pub issued_ms: u64,
+    /// Partitions drained so far.
+    pub drained: usize,
+    /// Ordered partitions in all.
+    pub partitions: usize,
+}
+
 /// The whole `status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct ClusterStatus {
@@ -173,6 +192,9 @@ pub struct ClusterStatus {
     pub partitions: Vec<PartitionStatus>,
     /// Messages in the dead-letter stream.
     pub dlq: u64,
+    /// A drain of the current run that has not ended: it makes every node of the run
+    /// drain and exit, those started later too, until it ends or is cancelled.
+    pub pending_drain: Option<PendingDrain>,
     /// Records stored where no consumer reads them, per subject: on partitions an
     /// ordered input does not have (only a stream created before streams listed their
     /// partitions takes them).
@@ -444,7 +466,12 @@ impl ControlClient {
             let (Ok(name), Some(n)) = (StreamName::new(input.stream.clone()), input.partitions) else { continue };
             unreachable.extend(self.unreachable(&name, n).await?);
         }
+        let pending_drain = match &run_id {
+            Some(run) => self.pending_drain(run, &topology).await?,
+            None => None,
+        };
         Ok(ClusterStatus {
+            pending_drain,
             job: self.job.clone(),
             run_id,
             members: members.into_iter().collect(),
@@ -455,6 +482,75 @@ impl ControlClient {
             unreachable,
             paused,
         })
+    }
+
+    /// The drain of `run` when one was requested and not every partition finished it.
+    async fn pending_drain(&self, run: &str, topology: &TopologyRecord) -> Result<Option<PendingDrain>, ControlError> {
+        let Some(entry) = self.broker.kv_get(&self.buckets.control, keys::DRAIN).await? else { return Ok(None) };
+        let Ok(record) = serde_json::from_slice::<RequestRecord>(&entry.value) else { return Ok(None) };
+        if record.run_id != run {
+            return Ok(None);
+        }
+        let parts = topology.partitions();
+        let mut drained = 0;
+        for (stream, p) in &parts {
+            if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
+                && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run)
+            {
+                drained += 1;
+            }
+        }
+        Ok((drained < parts.len()).then(|| PendingDrain {
+            run_id: run.to_owned(),
+            issued_ms: record.issued_ms,
+            drained,
+            partitions: parts.len(),
+        }))
+    }
+
+    /// Cancels the current run's pending drain: a new run begins (its id in the CONTROL
+    /// bucket), so nodes that start from now on pass the old run's markers and take the
+    /// drained partitions up again; nodes still running in the old run keep draining
+    /// until they are restarted. Returns what happened, for people.
+    ///
+    /// # Errors
+    /// Broker failures; [`ControlError::Incomplete`] when the run changed meanwhile.
+    pub async fn cancel_drain(&self) -> Result<String, ControlError> {
+        let Some(entry) = self.broker.kv_get(&self.buckets.control, keys::RUN).await? else {
+            return Ok("no drain is pending: the job has no run yet".into());
+        };
+        let current = serde_json::from_slice::<RunRecord>(&entry.value)
+            .map_err(|e| ControlError::Refused(format!("the job's run record does not parse: {e}")))?;
+        let topology = self.topology().await?;
+        if self.pending_drain(&current.run_id, &topology).await?.is_none() {
+            return Ok(format!("no drain is pending for run {}: nothing was changed", current.run_id));
+        }
+        let fresh = RunRecord { run_id: MessageId::new_v7().to_string(), started_ms: now_ms() };
+        match self.broker.kv_update(&self.buckets.control, keys::RUN, json(&fresh), entry.revision).await {
+            Ok(_) => {}
+            Err(BrokerError::KvWrongRevision { .. }) => {
+                return Err(ControlError::Incomplete(
+                    "the run changed while cancelling (a node began a new one): check `status` and try again".into(),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        // The drain record stays: it names the old run, so nodes of the new run ignore it
+        // and nodes still in the old run keep draining as they were asked.
+        let live = self.members().await?.len();
+        Ok(format!(
+            "drain of run {} cancelled: run {} begins, and nodes started from now on pass the old markers{}",
+            current.run_id,
+            fresh.run_id,
+            if live > 0 {
+                format!(
+                    "; the {live} node(s) still running keep draining run {}: restart them (`stop --node ID`, then start) to join the new run",
+                    current.run_id
+                )
+            } else {
+                String::new()
+            }
+        ))
     }
 
     /// Appends a drain marker to every ordered partition, then waits until each
@@ -749,6 +845,15 @@ pub fn print_status(s: &ClusterStatus) {
         s.dlq,
         if s.paused.job { " · PAUSED" } else { "" }
     );
+    if let Some(d) = &s.pending_drain {
+        let age = now_ms().saturating_sub(d.issued_ms) / 1000;
+        crate::outln!(
+            "DRAIN PENDING: run {} asked to drain {age}s ago, {}/{} partitions drained; every node of the run drains and exits, also those started later (`drain --cancel` cancels it)",
+            d.run_id,
+            d.drained,
+            d.partitions
+        );
+    }
     for (subject, n) in &s.unreachable {
         crate::outln!(
             "UNREACHABLE: {n} record(s) on {subject}, a partition the stream does not have: no consumer reads them (recreate the stream to drop them)"
@@ -850,7 +955,10 @@ pub async fn run_command_typed(
                 print_status(&s);
             }
         }),
-        ControlCommand::Drain { deadline, run } => client.drain(run, deadline, true).await,
+        ControlCommand::Drain { cancel: true, .. } => {
+            client.cancel_drain().await.map(|outcome| crate::outln!("{outcome}"))
+        }
+        ControlCommand::Drain { deadline, run, cancel: false } => client.drain(run, deadline, true).await,
         ControlCommand::Stop { node, timeout } => client.stop(&node, timeout, true).await,
         ControlCommand::Shutdown { timeout } => client.shutdown(timeout, true).await,
         ControlCommand::Pause { stream, partition } => client

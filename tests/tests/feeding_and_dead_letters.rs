@@ -228,3 +228,47 @@ async fn flotilla_publish_and_the_dlq_commands_work_from_the_command_line() {
     job.stop();
     job.wait().await.expect("clean stop");
 }
+
+/// A drain that timed out stays pending (status shows it) until `drain --cancel`
+/// begins a new run; a node started after that passes the old markers and keeps going.
+#[actix_rt::test]
+async fn a_pending_drain_shows_in_status_and_cancelling_it_lets_the_next_node_run_on() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let node = |b: &SharedBroker, id: &'static str| {
+        Job::new("shop").task(IN, |_| Ship { fixed: Rc::new(Cell::new(true)) }).output(OUT).start_node(
+            b.clone(),
+            id,
+            flotilla_actors::cluster::ClusterConfig::default(),
+        )
+    };
+    let first = node(&b, "n1").await.expect("n1");
+    let old_run = first.run_id().to_owned();
+    let control = flotilla_node::ControlClient::new(b.clone(), "shop").await.expect("control");
+    // One paused partition never reaches its marker: the drain times out.
+    control.set_paused(Some("orders"), Some(0), true).await.expect("pause");
+    let err = control.drain(None, Duration::from_secs(20), false).await.expect_err("a paused partition stays");
+    assert!(err.to_string().contains("orders/0"), "{err}");
+    let status = control.status().await.expect("status");
+    let pending = status.pending_drain.expect("the drain is pending");
+    assert_eq!((pending.run_id.as_str(), pending.drained, pending.partitions), (old_run.as_str(), 3, 4));
+    first.stop();
+    first.wait().await.expect("n1 stops");
+
+    let outcome = control.cancel_drain().await.expect("cancel");
+    assert!(outcome.contains("cancelled"), "{outcome}");
+    let status = control.status().await.expect("status");
+    assert!(status.pending_drain.is_none(), "{:?}", status.pending_drain);
+    assert_ne!(status.run_id.as_deref(), Some(old_run.as_str()), "a new run began");
+    assert!(control.cancel_drain().await.expect("again").contains("no drain is pending"));
+    control.set_paused(Some("orders"), Some(0), false).await.expect("resume");
+
+    let second = node(&b, "n2").await.expect("n2");
+    assert_ne!(second.run_id(), old_run);
+    let producer = Producer::new(b.clone(), "shop").expect("producer");
+    let orders: Vec<(String, Order)> = (0..40).map(|id| (id.to_string(), Order { id, note: "ok".into() })).collect();
+    producer.send_batch(&IN, orders.iter().map(|(k, o)| (k.as_str(), o))).await.expect("send");
+    wait_count(&b, "FLOTILLA_shop_shipped", 40, Duration::from_secs(60)).await;
+    second.stop();
+    second.wait().await.expect("n2 stops");
+}
