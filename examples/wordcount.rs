@@ -118,9 +118,12 @@ fn main() -> anyhow::Result<()> {
     let sum = summary.clone();
     let seen_driver = seen.clone();
     flotilla::node::run(job, args.node, move |node| async move {
-        let lines = (0..repeat).map(|doc| (doc.to_string(), Line { doc, text: TEXT.to_owned() }));
+        // Ids of the run: a second feed of the same run stores nothing new.
+        let run = node.run_id.clone();
+        let lines = (0..repeat)
+            .map(|doc| (format!("wordcount-{run}-doc-{doc}"), doc.to_string(), Line { doc, text: TEXT.to_owned() }));
         let fed = match Producer::new(node.broker.clone(), "wordcount") {
-            Ok(producer) => producer.send_batch(&LINES, lines).await.map(drop),
+            Ok(producer) => producer.send_batch_with_ids(&LINES, lines).await.map(drop),
             Err(e) => Err(e),
         };
         if let Err(e) = fed {

@@ -52,6 +52,14 @@ pub enum ProducerError {
         /// What is wrong with it.
         problem: &'static str,
     },
+    /// The id cannot travel in a header.
+    #[error("id {id:?} cannot be sent: ids travel in the {} header, and {problem}", headers::MSG_ID)]
+    Id {
+        /// The id.
+        id: String,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
     /// The value does not encode (or is too large).
     #[error("the value for key {key:?} cannot be encoded: {source}")]
     Encode {
@@ -65,8 +73,10 @@ pub enum ProducerError {
         "a delay of {0:?} is over the limit of 365 days; store far-off work elsewhere and schedule it nearer the time"
     )]
     Delay(Duration),
-    /// The broker refused, or kept failing past the producer's patience. Sending the
-    /// same records again with the same ids stores none twice.
+    /// The broker refused, or kept failing past the producer's patience. Records sent
+    /// with ids of their own ([`Producer::send_with_id`],
+    /// [`Producer::send_batch_with_ids`]) can be sent again as they were: the server
+    /// stores none twice within its duplicate window.
     #[error("{stored} of {total} records stored; the broker failed for the rest: {source}")]
     Broker {
         /// Records stored.
@@ -197,7 +207,8 @@ impl Producer {
     }
 
     /// Sends every `(key, value)` of `records` to `stream`, pipelined, and waits until
-    /// all are stored. Records of one key keep their order.
+    /// all are stored. Records of one key keep their order, unless one of them had to
+    /// be sent again after a passing broker failure (it then lands after the others).
     ///
     /// # Errors
     /// As [`send`](Self::send); nothing is sent when a record does not encode.
@@ -217,6 +228,42 @@ impl Producer {
             .collect::<Result<Vec<_>, _>>()?;
         self.provision(stream).await?;
         self.publish(msgs, matches!(stream.kind(), StreamKind::Ordered { .. })).await
+    }
+
+    /// As [`send_batch`](Self::send_batch), with an id per record: `(id, key, value)`.
+    /// A batch that failed can be sent again as it was, and the server stores none of
+    /// its records twice within its duplicate window (2 minutes).
+    ///
+    /// # Errors
+    /// As [`send_batch`](Self::send_batch); an id that cannot travel in a header.
+    pub async fn send_batch_with_ids<T, I, K, V>(
+        &self,
+        stream: &StreamDef<T>,
+        records: impl IntoIterator<Item = (I, K, V)>,
+    ) -> Result<Vec<Sent>, ProducerError>
+    where
+        T: Serialize,
+        I: AsRef<str>,
+        K: AsRef<str>,
+        V: Borrow<T>,
+    {
+        let msgs = records
+            .into_iter()
+            .map(|(id, k, v)| self.with_id(self.message(stream, k.as_ref(), v.borrow())?, id.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.provision(stream).await?;
+        self.publish(msgs, matches!(stream.kind(), StreamKind::Ordered { .. })).await
+    }
+
+    /// Publishes messages built elsewhere (for example by [`message`](Self::message),
+    /// or raw ones by the `publish` command), pipelined, with the producer's retries.
+    /// Their streams must exist. `ordered` says whether their subjects end in a
+    /// partition (it fills [`Sent::partition`]).
+    ///
+    /// # Errors
+    /// [`ProducerError::Broker`].
+    pub async fn send_messages(&self, msgs: Vec<OutboundMessage>, ordered: bool) -> Result<Vec<Sent>, ProducerError> {
+        self.publish(msgs, ordered).await
     }
 
     /// Sends `value` so that it reaches `stream` after `delay`. It waits in the job's
@@ -297,7 +344,7 @@ impl Producer {
 
     fn with_id(&self, mut msg: OutboundMessage, id: &str) -> Result<OutboundMessage, ProducerError> {
         if let Some(problem) = headers::entry_problem(headers::MSG_ID, id) {
-            return Err(ProducerError::Key { key: id.to_owned(), problem });
+            return Err(ProducerError::Id { id: id.to_owned(), problem });
         }
         msg.headers.insert(headers::MSG_ID, id.to_owned());
         Ok(msg)
@@ -347,7 +394,7 @@ impl Producer {
         let mut todo: Vec<usize> = (0..total).collect();
         loop {
             let mut failed = Vec::new();
-            let mut last = None;
+            let mut last: Option<BrokerError> = None;
             for chunk in todo.chunks(BATCH) {
                 let batch: Vec<OutboundMessage> = chunk.iter().map(|&i| msgs[i].clone()).collect();
                 for (&i, ack) in chunk.iter().zip(self.broker.publish_batch(batch).await) {
@@ -366,7 +413,10 @@ impl Producer {
                         }
                         Err(e) => {
                             failed.push(i);
-                            last = Some(e);
+                            // A refusal is reported over a passing failure.
+                            if last.as_ref().is_none_or(|l| l.is_transient()) {
+                                last = Some(e);
+                            }
                         }
                     }
                 }

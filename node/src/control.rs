@@ -337,12 +337,8 @@ impl ControlClient {
             Err(e) => return Err(e.into()),
         }
         let counts = self.broker.subject_counts(&js, &all).await?;
-        Ok(counts
-            .into_iter()
-            .filter(|(subject, _)| {
-                subject.rsplit_once('.').and_then(|(_, p)| p.parse::<u32>().ok()).is_none_or(|p| p >= partitions)
-            })
-            .collect())
+        let read: BTreeSet<String> = (0..partitions).map(|p| self.subjects.ordered_partition(stream, p)).collect();
+        Ok(counts.into_iter().filter(|(subject, _)| !read.contains(subject)).collect())
     }
 
     /// One partition's line of `status`, given what the nodes said of it (`slots`).
@@ -464,7 +460,11 @@ impl ControlClient {
         let mut unreachable = BTreeMap::new();
         for input in &topology.inputs {
             let (Ok(name), Some(n)) = (StreamName::new(input.stream.clone()), input.partitions) else { continue };
-            unreachable.extend(self.unreachable(&name, n).await?);
+            // A diagnostic: when it cannot be read, status says the rest.
+            match self.unreachable(&name, n).await {
+                Ok(found) => unreachable.extend(found),
+                Err(e) => tracing::warn!(stream = %name, error = %e, "could not count records on missing partitions"),
+            }
         }
         let pending_drain = match &run_id {
             Some(run) => self.pending_drain(run, &topology).await?,
@@ -856,7 +856,7 @@ pub fn print_status(s: &ClusterStatus) {
     }
     for (subject, n) in &s.unreachable {
         crate::outln!(
-            "UNREACHABLE: {n} record(s) on {subject}, a partition the stream does not have: no consumer reads them (recreate the stream to drop them)"
+            "UNREACHABLE: {n} record(s) on {subject}, a partition the stream does not have: no consumer reads them (`nats stream purge <stream> --subject {subject}` drops them)"
         );
     }
     crate::outln!();

@@ -4,9 +4,11 @@
 //! `dlq list` shows it. A replay publishes the entry's payload and its original
 //! headers back to the subject it came from, as a new message (so it has a fresh
 //! attempt budget and goes to the end of its partition), with the id
-//! `replay-<job>-<entry>`, and then deletes the entry. Replaying an entry twice
-//! therefore sends it once: the second finds no entry, or, when the first stopped
-//! between its publish and its delete, is dropped by the server as a duplicate id.
+//! `replay-<job>-<entry>-<dead-lettered ms>`, and then deletes the entry. Replaying an
+//! entry twice therefore sends it once: the second finds no entry, or, when the first
+//! stopped between its publish and its delete, is dropped by the server as a duplicate
+//! id — within the target stream's duplicate window (2 minutes). A replay interrupted
+//! there and run again later than that sends the entry a second time.
 
 use flotilla_actors::StreamType;
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StoredMessage};
@@ -40,6 +42,7 @@ pub enum DlqCommand {
     #[command(after_help = "Example:\n  flotilla --job shop dlq show 42")]
     Show {
         /// The entry's id (from `dlq list`).
+        #[arg(value_parser = clap::value_parser!(u64).range(1..))]
         id: u64,
         /// Print JSON.
         #[arg(long)]
@@ -156,12 +159,21 @@ impl DeadLetterEntry {
         }
         let mut out = OutboundMessage::new(self.subject.clone(), self.payload.clone());
         for (name, value) in &self.headers {
-            if !name.starts_with("Flotilla-Dlq-") && name != headers::MSG_ID {
+            // Not the DLQ's headers, nor the server's (an outside producer's
+            // `Nats-Expected-*` would refuse the replay).
+            if !name.starts_with("Flotilla-Dlq-") && !name.starts_with("Nats-") {
                 out.headers.append(name.clone(), value.clone());
             }
         }
-        out.headers.insert(headers::MSG_ID, format!("replay-{}-{}", subjects.job(), self.id));
+        out.headers.insert(headers::MSG_ID, self.replay_id(subjects));
         Ok(out)
+    }
+
+    /// The id a replay of this entry publishes with: its DLQ sequence and the time it
+    /// was dead-lettered, so an entry of a DLQ stream recreated since (sequences start
+    /// again) never shares it.
+    pub fn replay_id(&self, subjects: &Subjects) -> String {
+        format!("replay-{}-{}-{}", subjects.job(), self.id, self.dead_lettered_ms)
     }
 }
 
@@ -224,7 +236,11 @@ impl DeadLetters {
             Err(e) => return Err(e.into()),
         };
         let mut out = Vec::new();
-        let mut seq = state.first_seq;
+        if state.messages == 0 {
+            return Ok(out);
+        }
+        // An empty JetStream stream reports 0 as its first sequence; sequences start at 1.
+        let mut seq = state.first_seq.max(1);
         while seq <= state.last_seq && out.len() < limit {
             if let Some(m) = self.broker.get_message(&self.stream, seq).await? {
                 let entry = DeadLetterEntry::from_stored(m);
@@ -242,6 +258,9 @@ impl DeadLetters {
     /// # Errors
     /// [`DlqError::Input`] when there is none with this id.
     pub async fn get(&self, id: u64) -> Result<DeadLetterEntry, DlqError> {
+        if id == 0 {
+            return Err(DlqError::Input("dead-letter ids start at 1: `dlq list` shows them".into()));
+        }
         match self.broker.get_message(&self.stream, id).await {
             Ok(Some(m)) => Ok(DeadLetterEntry::from_stored(m)),
             Ok(None) | Err(BrokerError::StreamNotFound { .. }) => Err(DlqError::Input(format!(
@@ -334,7 +353,8 @@ impl DeadLetters {
         let mut failed = Vec::new();
         for entry in &entries {
             match self.broker.delete_message(&self.stream, entry.id).await {
-                Ok(_) => meter.done(),
+                Ok(true) => meter.done(),
+                Ok(false) => failed.push(format!("{}: already gone", entry.id)),
                 Err(e) => failed.push(format!("{}: {e}", entry.id)),
             }
         }
@@ -390,7 +410,8 @@ pub fn describe_payload(
     stream: &str,
 ) -> (String, String) {
     let codec = Codec::default();
-    let known = types.iter().find(|t| t.stream == stream || Some(t.type_name) == type_name);
+    let known =
+        types.iter().find(|t| t.stream == stream).or_else(|| types.iter().find(|t| Some(t.type_name) == type_name));
     if let Some(t) = known {
         match t.to_json(&codec, payload) {
             Ok(v) => return (format!("json ({})", t.type_name), serde_json::to_string_pretty(&v).unwrap_or_default()),
@@ -478,7 +499,7 @@ fn print_list(entries: &[DeadLetterEntry], json: bool) {
             detail
         );
     }
-    eprintln!("{} dead letter(s)", entries.len());
+    eprintln!("{} dead letter(s) shown (at most --limit, oldest first)", entries.len());
 }
 
 fn print_entry(e: &DeadLetterEntry, types: &[StreamType], json: bool) {
@@ -545,7 +566,7 @@ mod tests {
         let subjects = Subjects::new(JobName::new("shop").expect("job"));
         let msg = entry.replay_message(&subjects).expect("replayable");
         assert_eq!(msg.subject, "flotilla.shop.orders.3");
-        assert_eq!(msg.headers.msg_id(), Some("replay-shop-42"));
+        assert_eq!(msg.headers.msg_id(), Some(format!("replay-shop-42-{}", entry.dead_lettered_ms).as_str()));
         assert_eq!(msg.headers.get(headers::KEY), Some("customer-7"));
         assert_eq!(msg.headers.get("traceparent"), Some("00-abc-def-01"));
         assert!(msg.headers.iter().all(|(k, _)| !k.starts_with("Flotilla-Dlq-")));

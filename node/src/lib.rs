@@ -7,16 +7,26 @@
 
 pub use flotilla_actors::assignment;
 
-/// `println!` for command output that ends the process quietly (status 0) when standard
-/// output is closed, as `flotilla status | head -1` does, instead of panicking.
+/// `println!` for command output that ends the process quietly when standard output
+/// is closed, as `flotilla status | head -1` does (status 0, as a shell expects), and
+/// with status 1 and a message on another write error, instead of panicking.
 #[macro_export]
 macro_rules! outln {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        if writeln!(std::io::stdout().lock(), $($arg)*).is_err() {
-            std::process::exit(0);
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            $crate::output_failed(e);
         }
     }};
+}
+
+/// Ends the process after a failed write to standard output (see [`outln!`]).
+pub fn output_failed(e: std::io::Error) -> ! {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(0);
+    }
+    eprintln!("error: cannot write the output: {e}");
+    std::process::exit(1);
 }
 pub mod config;
 pub mod connect;

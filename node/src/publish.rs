@@ -74,6 +74,9 @@ pub enum PublishError {
     /// The broker failed.
     #[error(transparent)]
     Broker(#[from] BrokerError),
+    /// Some records were not stored; the message says how many were.
+    #[error("{0}")]
+    Incomplete(String),
 }
 
 /// One record to send, before it becomes a message.
@@ -144,20 +147,17 @@ pub async fn publish(
     }
     let started = Instant::now();
     let total = msgs.len() as u64;
-    let mut stored = 0u64;
-    let mut duplicates = 0u64;
-    let mut batch = Vec::new();
-    let mut msgs = msgs.into_iter().peekable();
-    while let Some(msg) = msgs.next() {
-        batch.push(msg);
-        if batch.len() == 1024 || msgs.peek().is_none() {
-            for ack in broker.publish_batch(std::mem::take(&mut batch)).await {
-                let ack = ack?;
-                stored += u64::from(!ack.duplicate);
-                duplicates += u64::from(ack.duplicate);
-            }
-        }
-    }
+    let producer = flotilla_actors::Producer::new(broker.clone(), job)
+        .map_err(|e| PublishError::Input(e.to_string()))?
+        .with_replicas(replicas);
+    let sent = producer.send_messages(msgs, matches!(layout, Layout::Ordered(_))).await.map_err(|e| match e {
+        flotilla_actors::ProducerError::Broker { .. } => PublishError::Incomplete(format!(
+            "{e}; records with ids of their own (--id, \"id\") can be published again as they are, the others would be stored twice"
+        )),
+        e => PublishError::Input(e.to_string()),
+    })?;
+    let duplicates = sent.iter().filter(|s| s.duplicate).count() as u64;
+    let stored = total - duplicates;
     let dups =
         if duplicates > 0 { format!(" ({duplicates} duplicate id(s), not stored again)") } else { String::new() };
     eprintln!(
@@ -235,6 +235,11 @@ fn read_lines(args: &PublishArgs) -> Result<Vec<Line>, PublishError> {
     let Some(path) = &args.jsonl else {
         return Err(PublishError::Input("nothing to publish: give --data, --file, --json or --jsonl".into()));
     };
+    if !args.key.is_empty() || args.id.is_some() || args.partition.is_some() {
+        return Err(PublishError::Input(
+            "--key, --id and --partition are for one record: with --jsonl, give \"key\", \"id\" and \"partition\" on each line".into(),
+        ));
+    }
     let bytes = read(path)?;
     let mut lines = Vec::new();
     for (n, text) in bytes.lines().enumerate() {

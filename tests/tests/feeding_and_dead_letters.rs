@@ -191,6 +191,9 @@ async fn flotilla_publish_and_the_dlq_commands_work_from_the_command_line() {
         .await
         .expect("start on the old stream");
 
+    // An empty dead-letter stream lists as empty.
+    let (code, out, err) = flotilla(&server, &["dlq", "list", "--json"]);
+    assert_eq!((code, out.as_str()), (0, ""), "{err}");
     // Raw bytes are not an Order: the node dead-letters them as malformed.
     let (code, _, err) = flotilla(&server, &["publish", "--stream", "orders", "--key", "k1", "--data", "not an order"]);
     assert_eq!(code, 0, "{err}");
@@ -209,6 +212,7 @@ async fn flotilla_publish_and_the_dlq_commands_work_from_the_command_line() {
     assert_eq!(entries.len(), 1, "{out}");
     assert_eq!(entries[0]["reason"], "malformed", "{out}");
     assert_eq!(entries[0]["key"], "k1", "{out}");
+    assert_eq!(entries[0]["attempts"], 0, "a malformed record never ran: {out}");
     let id = entries[0]["id"].as_u64().expect("id").to_string();
     let (code, out, err) = flotilla(&server, &["dlq", "show", &id]);
     assert_eq!(code, 0, "{err}");

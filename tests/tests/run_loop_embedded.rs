@@ -1225,3 +1225,27 @@ async fn a_stop_hands_back_a_message_waiting_out_its_back_off_at_once() {
     again.stop();
     again.wait().await.expect("clean stop");
 }
+
+/// A delayed message for a partition its stream does not have is dead-lettered as
+/// `bad-timer`, not retried for ever (streams take only their partitions' subjects).
+#[actix_rt::test]
+async fn a_delayed_message_for_a_missing_partition_is_dead_lettered() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let running = Job::new("t").task(IN, |_| Relay::<false>).start(b.clone()).await.expect("start");
+    let payload = codec().encode(&Record { id: 9, body: "late".into() }).expect("encode");
+    b.publish(
+        OutboundMessage::new("flotilla.t._timer.x", payload)
+            .with_id("timer-x")
+            .with_header(headers::DELAY, "0")
+            .with_header(headers::TARGET, "flotilla.t.in.99"),
+    )
+    .await
+    .expect("timer");
+    wait_for(&b, "FLOTILLA_t_DLQ", 1).await;
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq[0].2.get(headers::DLQ_REASON), Some("bad-timer"), "{:?}", dlq[0].2);
+    assert!(dlq[0].2.get(headers::DLQ_DETAIL).is_some_and(|d| d.contains("flotilla.t.in.99")));
+    running.stop();
+    running.wait().await.expect("stop");
+}

@@ -15,8 +15,9 @@ pub struct DeadLetter {
     pub reason: &'static str,
     /// Details for a human.
     pub detail: String,
-    /// Attempts the task made (0 when it never ran: malformed, for one).
-    pub attempts: u32,
+    /// Attempts the task made (0 when it never ran: malformed, for one); `None` when
+    /// nobody knows (a message the server stopped delivering).
+    pub attempts: Option<u32>,
 }
 
 /// Sweep a queue input for messages stranded at max deliveries.

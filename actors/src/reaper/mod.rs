@@ -44,7 +44,9 @@ impl Actor for Reaper {
 fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<OutboundMessage, BrokerError> {
     let stream = StreamName::new(msg.stream.clone())?;
     let mut out = dead_letter_to(subjects.dlq(&stream), &msg.delivery, msg.reason, &msg.detail);
-    out.headers.insert(headers::DLQ_ATTEMPTS, msg.attempts.to_string());
+    if let Some(attempts) = msg.attempts {
+        out.headers.insert(headers::DLQ_ATTEMPTS, attempts.to_string());
+    }
     Ok(out)
 }
 
@@ -126,7 +128,7 @@ impl Handler<Sweep> for Reaper {
                     partition: None,
                     reason: "max-deliveries",
                     detail: "stranded in the stream after the consumer's max deliveries".into(),
-                    attempts: 0,
+                    attempts: None,
                 };
                 broker.publish(dead_letter_message(&subjects, &letter)?).await?;
                 broker.delete_message(&msg.js_stream, seq).await?;

@@ -145,6 +145,8 @@ struct Envelope {
     /// It waits for its next attempt (a retry back-off): no callback runs for it, so a
     /// stop hands it back at once instead of waiting out the back-off.
     backing_off: bool,
+    /// The task's `process` ran for its current attempt (it decoded).
+    ran: bool,
 }
 
 /// Outputs waiting to be published, and what they belong to.
@@ -786,6 +788,7 @@ impl<T: Task> TaskWorker<T> {
                         unavailable: 0,
                         applied: false,
                         backing_off: false,
+                        ran: false,
                     };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     let seq = envelope.delivery.info.stream_seq;
@@ -983,6 +986,11 @@ impl<T: Task> TaskWorker<T> {
                 return;
             }
         };
+        if let Some(e) = self.inflight.get_mut(&order) {
+            e.ran = true;
+        }
+        let Some(envelope) = self.inflight.get(&order) else { return };
+        let d = &envelope.delivery;
         let meta = MessageMeta {
             id: match d.headers.get_text(headers::MSG_ID) {
                 Some(id) => MessageId::from_header(id),
@@ -1309,7 +1317,8 @@ impl<T: Task> TaskWorker<T> {
             partition: self.binding.partition,
             reason,
             detail: detail.clone(),
-            attempts: envelope.attempt,
+            // The attempts before this one, and this one if `process` ran for it.
+            attempts: Some(envelope.attempt.saturating_sub(1) + u32::from(envelope.ran)),
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {

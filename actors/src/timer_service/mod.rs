@@ -33,7 +33,7 @@ pub use server_clock::ServerClock;
 use server_clock::{CLOCK_KEY, PROBE_INTERVAL, Probe};
 
 use actix::prelude::*;
-use flotilla_transport::broker::{AckKind, BrokerResult, Delivery, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{AckKind, BrokerError, BrokerResult, Delivery, OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::wire::{Headers, Subjects, headers};
 use std::cmp::Reverse;
@@ -333,11 +333,33 @@ async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery, no
         Ok(_) => {
             let _ = broker.ack(&d.token, AckKind::Ack).await;
         }
+        Err(BrokerError::NoStream { .. }) if target_stream_exists(broker, subjects, &target).await => {
+            // Its stream exists but takes no such subject: a partition it does not have.
+            // That will not change: dead-letter it.
+            let detail = format!("its target {target} is a partition its stream does not have");
+            let letter = crate::reaper::dead_letter_to(subjects.dlq_timers(), &d, "bad-timer", &detail);
+            if broker.publish(letter).await.is_ok() {
+                warn!(subject = %d.subject, seq = d.info.stream_seq, %detail, "unusable delayed message dead-lettered");
+                let _ = broker.ack(&d.token, AckKind::Term).await;
+            } else {
+                let _ = broker.ack(&d.token, AckKind::Nak(Some(Duration::from_secs(1)))).await;
+            }
+        }
         Err(e) => {
             warn!(error = %e, target, "delayed message not published; retrying in 1 s");
             let _ = broker.ack(&d.token, AckKind::Nak(Some(Duration::from_secs(1)))).await;
         }
     }
+}
+
+/// Whether the stream a data subject of this job belongs to exists (then a publish it
+/// refused was for a partition the stream does not have).
+async fn target_stream_exists(broker: &SharedBroker, subjects: &Subjects, target: &str) -> bool {
+    let prefix = format!("flotilla.{}.", subjects.job());
+    let Some(rest) = target.strip_prefix(&prefix) else { return false };
+    let stream = rest.split_once('.').map_or(rest, |(s, _)| s);
+    let Ok(name) = flotilla_transport::wire::StreamName::new(stream) else { return false };
+    broker.stream_state(&subjects.stream_name(&name)).await.is_ok()
 }
 
 /// Now plus `delay`, at most [`MAX_DELAY`] ahead: a delay no clock can hold never

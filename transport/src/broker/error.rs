@@ -43,7 +43,9 @@ pub enum BrokerError {
         consumer: String,
     },
     /// No stream takes the subject of a JetStream publish.
-    #[error("no stream takes subject {subject}; provision the stream before publishing")]
+    #[error(
+        "no stream takes subject {subject}: the stream does not exist yet (start the job, or send with a Producer, which creates it), or it has no such partition"
+    )]
     NoStream {
         /// The subject published to.
         subject: String,

@@ -43,7 +43,8 @@ pub const DLQ_SUBJECT: &str = "Flotilla-Dlq-Subject";
 pub const DLQ_SEQ: &str = "Flotilla-Dlq-Seq";
 /// How many times the message had been delivered, decimal.
 pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
-/// How many attempts the task made, decimal (0 when it never ran, e.g. `malformed`).
+/// How many attempts the task made, decimal (0 when it never ran, e.g. `malformed`;
+/// absent when nobody knows, as for `max-deliveries`).
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
