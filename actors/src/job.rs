@@ -460,6 +460,11 @@ impl Job {
         if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
             broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None).with_replicas(r)).await?;
         }
+        if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Queue)) {
+            let released =
+                topology::bucket(&subjects, crate::task_worker::RELEASED, Some(crate::task_worker::RELEASED_TTL));
+            broker.ensure_kv(released.with_replicas(r)).await?;
+        }
         if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
             broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;
         }
@@ -484,7 +489,7 @@ impl Job {
                         &subjects,
                         &name,
                         c.ack_wait,
-                        c.retry.max_attempts + 1,
+                        c.retry.max_attempts + 1 + crate::task_worker::RELEASE_ALLOWANCE,
                         10_000,
                         r,
                     )

@@ -661,11 +661,12 @@ async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
             .ack_wait(Duration::from_secs(1))
             .container_config(config.clone())
     };
-    // Provision as the job would (max deliveries = attempts + 1 = 3), then play three
-    // nodes that each die holding the message: it is stranded in the work queue.
+    // Provision as the job would (max deliveries = attempts + 1 + the allowance for
+    // hand-backs = 23), then play nodes that each die holding the message: it is
+    // stranded in the work queue.
     job().provision(b.clone()).await.expect("provision");
     publish(&b, "jobs", false, 42, "ok").await;
-    for _ in 0..3 {
+    for _ in 0..2 + 1 + flotilla_actors::task_worker::RELEASE_ALLOWANCE {
         let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
         assert_eq!(got.len(), 1);
     }
@@ -1248,4 +1249,56 @@ async fn a_delayed_message_for_a_missing_partition_is_dead_lettered() {
     assert!(dlq[0].2.get(headers::DLQ_DETAIL).is_some_and(|d| d.contains("flotilla.t.in.99")));
     running.stop();
     running.wait().await.expect("stop");
+}
+
+thread_local! {
+    /// The attempt number of each run of `process`, per record id.
+    static ATTEMPTS: RefCell<HashMap<u64, Vec<u32>>> = RefCell::new(HashMap::new());
+    /// Whether `Slow` sleeps (for ten minutes) instead of forwarding.
+    static SLOW: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// Records its attempts; sleeps ten minutes while `SLOW` is set.
+struct Slow;
+
+impl Task for Slow {
+    type Input = Record;
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let attempt = ctx.message().map_or(0, |m| m.attempt);
+        ATTEMPTS.with(|a| a.borrow_mut().entry(r.id).or_default().push(attempt));
+        if SLOW.with(|s| s.get()) {
+            tokio::time::sleep(Duration::from_secs(600)).await;
+        }
+        ctx.send(&DONE, &r.id.to_string(), &r).await
+    }
+}
+
+/// Interrupted is not failed, for queue inputs: a message handed back by a stop's
+/// drain deadline (three times, with two attempts allowed) costs no attempt, and runs
+/// as attempt 1 each time.
+#[actix_rt::test]
+async fn queue_messages_handed_back_by_a_stop_spend_no_attempt() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = || Job::new("t").task(JOBS, |_| Slow).max_attempts(2).drain_timeout(Duration::from_secs(1));
+    job().provision(b.clone()).await.expect("provision");
+    publish(&b, "jobs", false, 80, "slow").await;
+    for run in 1..=3 {
+        let running = job().start(b.clone()).await.expect("start");
+        for _ in 0..500 {
+            if ATTEMPTS.with(|a| a.borrow().get(&80).map_or(0, Vec::len)) == run {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        running.stop(); // the handler sleeps on: the drain deadline hands it back
+        running.wait().await.expect("stop");
+    }
+    SLOW.with(|s| s.set(false));
+    let running = job().start(b.clone()).await.expect("start");
+    wait_for(&b, "FLOTILLA_t_done", 1).await;
+    running.stop();
+    running.wait().await.expect("stop");
+    assert_eq!(ATTEMPTS.with(|a| a.borrow().get(&80).cloned()), Some(vec![1, 1, 1, 1]));
+    assert_eq!(b.stream_state("FLOTILLA_t_DLQ").await.expect("dlq").messages, 0);
 }

@@ -39,6 +39,8 @@
 mod changelog;
 mod core;
 mod messages;
+mod released;
+pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
@@ -675,7 +677,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "restarting the partition from its last commit");
-        self.release_all();
+        self.release_all(true);
         self.finish(Outcome::Resync(reason), ctx);
     }
 
@@ -759,7 +761,7 @@ impl<T: Task> TaskWorker<T> {
             if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
                 // Restoring: nothing runs before the state is back.
                 if self.stopping {
-                    self.release_all();
+                    self.release_all(true);
                     self.finish(self.stopped_outcome(), ctx);
                 }
                 return;
@@ -807,7 +809,10 @@ impl<T: Task> TaskWorker<T> {
                         self.flushed(FlushTarget::Message(p.order), ctx);
                         continue;
                     }
-                    if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
+                    let delivered = self.inflight.get(&p.order).map_or(1, |e| e.delivery.info.delivered);
+                    if !self.binding.ordered() && delivered > 1 {
+                        self.count_releases(p.order, seq, delivered, ctx);
+                    } else if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
                         self.count_suspect(p.order, seq, ctx);
                     } else {
                         self.start_attempt(p.order, ctx);
@@ -824,6 +829,41 @@ impl<T: Task> TaskWorker<T> {
                 Op::NoOp => return,
             }
         }
+    }
+
+    /// A queue message delivered before: its attempt is its deliveries less the
+    /// hand-backs counted for it (interrupted is not failed). One whose attempts are
+    /// spent — its earlier ones ended without a verdict, as when the node running it
+    /// died or hung — is dead-lettered without running again.
+    fn count_releases(&mut self, order: u64, seq: u64, delivered: u64, ctx: &mut Context<Self>) {
+        let broker = self.env.broker.clone();
+        let bucket = self.env.subjects.bucket_name(RELEASED);
+        let key = released::key(self.binding.stream, seq);
+        let fut = async move { released::count(&broker, &bucket, &key).await };
+        ctx.spawn(fut.into_actor(self).map(move |count, act, ctx| {
+            let released = count.unwrap_or_else(|e| {
+                debug!(stream = act.binding.stream, seq, error = %e, "hand-backs not read: counting every delivery as an attempt");
+                0
+            });
+            let attempt = released::attempt(delivered, released);
+            let Some(envelope) = act.inflight.get_mut(&order) else { return };
+            envelope.attempt = attempt;
+            let max = act.config.retry.max_attempts;
+            if attempt > max {
+                act.dead_letter(
+                    order,
+                    "max-attempts",
+                    format!(
+                        "delivered {delivered} times, {released} of them handed back unfinished (not counted): its {} attempts ended without a verdict, as when the node running it dies or hangs",
+                        attempt - 1
+                    ),
+                    ctx,
+                );
+            } else {
+                act.retries.push_back(order);
+            }
+            act.drive(ctx);
+        }));
     }
 
     /// Before a suspect starts: waits for the node's suspect lane (one suspect runs at
@@ -1506,7 +1546,7 @@ impl<T: Task> TaskWorker<T> {
                 reason: reason.clone(),
             },
         );
-        self.release_all();
+        self.release_all(false);
         self.finish(Outcome::Failed(reason), ctx);
     }
 
@@ -1517,7 +1557,7 @@ impl<T: Task> TaskWorker<T> {
         let count = unstarted.len();
         for p in unstarted {
             self.claimed.remove(&p.order);
-            self.hand_back(&p.msg.token);
+            self.hand_back(&p.msg, true);
         }
         self.completed(count);
     }
@@ -1543,25 +1583,45 @@ impl<T: Task> TaskWorker<T> {
             if e.counted {
                 self.state.release(order);
             }
-            self.hand_back(&e.delivery.token);
+            self.hand_back(&e.delivery, true);
         }
     }
 
-    /// Gives a claimed, unfinished message back ([`Discipline::release`]).
-    fn hand_back(&mut self, token: &AckToken) {
-        if let Some(kind) = self.binding.discipline().release() {
-            self.ack(token, kind);
+    /// Gives a claimed, unfinished message back ([`Discipline::release`]). An
+    /// `interrupted` queue message (a stop, a drain deadline, a back-off cut short: not
+    /// its fault) has the release counted first, so its next delivery costs no attempt
+    /// (see [`released`]).
+    fn hand_back(&mut self, d: &Delivery, interrupted: bool) {
+        let Some(kind) = self.binding.discipline().release() else { return };
+        if !interrupted || self.binding.ordered() {
+            self.ack(&d.token, kind);
+            return;
         }
+        let broker = self.env.broker.clone();
+        let bucket = self.env.subjects.bucket_name(RELEASED);
+        let key = released::key(self.binding.stream, d.info.stream_seq);
+        let token = d.token.clone();
+        // Not tied to this actor: a stop ends it before the count is stored.
+        actix::spawn(async move {
+            if let Err(e) = released::record(&broker, &bucket, &key).await {
+                debug!(error = %e, %key, "release not counted: the next delivery counts as an attempt");
+            }
+            if let Err(e) = broker.ack(&token, kind).await {
+                debug!(error = %e, %key, "hand-back not sent: the message comes again after its ack-wait");
+            }
+        });
     }
 
-    /// Naks every message held and not finished, without delay.
-    fn release_all(&mut self) {
+    /// Naks every message held and not finished, without delay; `interrupted` when
+    /// that is not their fault (a stop's deadline), so it costs queue messages no
+    /// attempt. After a task failure it does: the culprit is among them.
+    fn release_all(&mut self, interrupted: bool) {
         for p in self.state.take_unstarted() {
-            self.hand_back(&p.msg.token);
+            self.hand_back(&p.msg, interrupted);
         }
         let inflight: Vec<Envelope> = self.inflight.drain().map(|(_, e)| e).collect();
         for e in inflight {
-            self.hand_back(&e.delivery.token);
+            self.hand_back(&e.delivery, interrupted);
         }
         self.claimed.clear();
     }
@@ -1642,7 +1702,7 @@ impl<T: Task> TaskWorker<T> {
                     in_flight = act.inflight.len(),
                     "drain timeout: handing back in-flight messages"
                 );
-                act.release_all();
+                act.release_all(true);
                 act.finish(act.stopped_outcome(), ctx);
             }
         });
@@ -1739,7 +1799,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
         let mut dropped = 0;
         for d in msg.0 {
             if self.stopping || self.finished {
-                self.hand_back(&d.token);
+                self.hand_back(&d, true);
                 dropped += 1;
                 continue;
             }

@@ -1,0 +1,80 @@
+//! Interrupted is not failed, for queue inputs. JetStream counts every delivery, and a
+//! queue message handed back (a stop, a drain deadline, a back-off cut short) comes
+//! again as one more delivery. So before handing one back the worker counts the
+//! release in the job's `RELEASED` bucket (key `<stream>.<seq>`), and a redelivered
+//! message's attempt is its deliveries less its releases. The count is written before
+//! the nak, so whoever gets the message next reads it.
+
+use flotilla_transport::broker::{BrokerError, SharedBroker};
+
+/// Hand-backs a queue message may have beyond its attempts before the server stops
+/// delivering it (the consumer's max deliveries is attempts + 1 + this).
+pub const RELEASE_ALLOWANCE: u32 = 20;
+
+/// The bucket of release counts, `FLOTILLA_<job>_RELEASED` (kept 7 days).
+pub const RELEASED: &str = "RELEASED";
+
+/// How long a release count is kept: a message waiting longer than this in its queue
+/// counts its releases as attempts again.
+pub const RELEASED_TTL: std::time::Duration = std::time::Duration::from_secs(7 * 24 * 3600);
+
+/// The key of the message at `seq` of queue input `stream`.
+pub(crate) fn key(stream: &str, seq: u64) -> String {
+    format!("{stream}.{seq}")
+}
+
+/// The attempt of a delivery: its deliveries less the releases that were not attempts.
+pub(crate) fn attempt(delivered: u64, released: u64) -> u32 {
+    delivered.saturating_sub(released).max(1).min(u64::from(u32::MAX)) as u32
+}
+
+/// Adds one release to the count at `key`.
+pub(crate) async fn record(broker: &SharedBroker, bucket: &str, key: &str) -> Result<u64, BrokerError> {
+    for _ in 0..5 {
+        let entry = broker.kv_get(bucket, key).await?;
+        let count = entry.as_ref().and_then(|e| std::str::from_utf8(&e.value).ok()?.parse::<u64>().ok()).unwrap_or(0);
+        let value = bytes::Bytes::from((count + 1).to_string());
+        let written = match &entry {
+            Some(e) => broker.kv_update(bucket, key, value, e.revision).await,
+            None => broker.kv_create(bucket, key, value).await,
+        };
+        match written {
+            Ok(_) => return Ok(count + 1),
+            Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(BrokerError::Other { operation: format!("count a release of {key}"), reason: "the count kept changing".into() })
+}
+
+/// The releases counted at `key` (0 when none, or when the bucket does not exist).
+pub(crate) async fn count(broker: &SharedBroker, bucket: &str, key: &str) -> Result<u64, BrokerError> {
+    match broker.kv_get(bucket, key).await {
+        Ok(entry) => Ok(entry.and_then(|e| std::str::from_utf8(&e.value).ok()?.parse::<u64>().ok()).unwrap_or(0)),
+        Err(BrokerError::BucketNotFound { .. } | BrokerError::StreamNotFound { .. }) => Ok(0),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_are_not_attempts() {
+        assert_eq!(attempt(1, 0), 1);
+        assert_eq!(attempt(3, 2), 1, "two hand-backs and this delivery: the first attempt");
+        assert_eq!(attempt(4, 1), 3);
+        assert_eq!(attempt(2, 5), 1, "never below 1");
+    }
+
+    #[actix_rt::test]
+    async fn counts_add_up_and_a_missing_bucket_counts_none() {
+        let b = flotilla_transport::EmbeddedBroker::new().shared();
+        assert_eq!(count(&b, "FLOTILLA_t_RELEASED", "jobs.7").await.expect("no bucket"), 0);
+        b.ensure_kv(flotilla_transport::broker::KvSpec::new("FLOTILLA_t_RELEASED", None)).await.expect("bucket");
+        assert_eq!(record(&b, "FLOTILLA_t_RELEASED", "jobs.7").await.expect("one"), 1);
+        assert_eq!(record(&b, "FLOTILLA_t_RELEASED", "jobs.7").await.expect("two"), 2);
+        assert_eq!(count(&b, "FLOTILLA_t_RELEASED", "jobs.7").await.expect("read"), 2);
+    }
+}
