@@ -1,17 +1,28 @@
 //! The `Job` builder: declares a job's tasks and their settings, validates them,
 //! provisions the streams and consumers, and starts the actors on the current arbiter.
 //!
+//! Per-task settings (`max_attempts`, `window_every`, `retry`, `ack_wait`, ...) given
+//! before any `.task(...)` are the defaults every task starts from; given after a
+//! `.task(...)`, they configure that task only.
+//!
 //! ```no_run
 //! # use flotilla_actors::{Job, StreamDef, Task, TaskContext, TaskError};
 //! # #[derive(serde::Serialize, serde::Deserialize)] struct Order;
+//! # #[derive(serde::Serialize, serde::Deserialize)] struct Refund;
 //! # #[derive(Default)] struct Revenue;
 //! # impl Task for Revenue { type Input = Order;
 //! #   async fn process(&mut self, _: Order, _: &mut TaskContext) -> Result<(), TaskError> { Ok(()) } }
+//! # #[derive(Default)] struct Refunds;
+//! # impl Task for Refunds { type Input = Refund;
+//! #   async fn process(&mut self, _: Refund, _: &mut TaskContext) -> Result<(), TaskError> { Ok(()) } }
 //! const ORDERS: StreamDef<Order> = StreamDef::ordered("orders", 8);
+//! const REFUNDS: StreamDef<Refund> = StreamDef::queue("refunds");
 //! let job = Job::new("revenue")
+//!     .max_attempts(5) // every task
 //!     .task(ORDERS, |_partition| Revenue::default())
-//!     .window_every(std::time::Duration::from_secs(10))
-//!     .max_attempts(5);
+//!     .window_every(std::time::Duration::from_secs(10)) // the orders task only
+//!     .task(REFUNDS, |_| Refunds::default())
+//!     .max_concurrency(16); // the refunds task only
 //! ```
 
 use crate::cluster::{
@@ -119,12 +130,15 @@ struct TaskEntry {
     starter: Starter,
 }
 
-/// A job: its name and tasks. Settings apply to the task added last.
+/// A job: its name and tasks. Per-task settings given before any `.task(...)` are
+/// every task's defaults; after one, they configure the task added last.
 pub struct Job {
     name: String,
     tasks: Vec<TaskEntry>,
     outputs: Vec<(&'static str, StreamKind)>,
     types: Vec<StreamType>,
+    /// Settings given before any task: every task starts from them.
+    defaults: TaskConfig,
     run_id: Option<String>,
     codec: Codec,
     container: ContainerConfig,
@@ -146,6 +160,7 @@ impl Job {
             tasks: Vec::new(),
             outputs: Vec::new(),
             types: Vec::new(),
+            defaults: TaskConfig::default(),
             run_id: None,
             codec: Codec::default(),
             container: ContainerConfig::default(),
@@ -183,7 +198,7 @@ impl Job {
             stores,
             kind: input.kind(),
             type_name: input.type_name(),
-            config: TaskConfig::default(),
+            config: self.defaults.clone(),
             starter,
         });
         self
@@ -242,11 +257,13 @@ impl Job {
         }
     }
 
-    fn last(&mut self, setting: &str) -> Option<&mut TaskConfig> {
-        if self.tasks.is_empty() {
-            self.errors.push(format!("{setting} was set before any .task(...): settings apply to the task added last"));
-        }
-        self.tasks.last_mut().map(|t| &mut t.config)
+    /// Where a per-task setting goes: the task added last, or, before any
+    /// `.task(...)`, the defaults every task starts from.
+    fn last(&mut self, _setting: &str) -> Option<&mut TaskConfig> {
+        Some(match self.tasks.last_mut() {
+            Some(t) => &mut t.config,
+            None => &mut self.defaults,
+        })
     }
 
     /// Replaces all settings of the last task.
@@ -443,6 +460,19 @@ impl Job {
     /// # Errors
     /// [`JobError`] for bad names or settings, or when the broker refuses.
     pub async fn provision(&self, broker: SharedBroker) -> Result<(), JobError> {
+        // What each task runs with, so a setting given to the wrong task shows.
+        for t in &self.tasks {
+            let c = &t.config;
+            tracing::debug!(
+                task = t.stream,
+                max_attempts = c.retry.max_attempts,
+                max_concurrency = c.max_concurrency,
+                window = ?c.window_interval,
+                ack_wait = ?c.ack_wait,
+                drain_timeout = ?c.drain_timeout,
+                "task settings"
+            );
+        }
         // A replicated stream cannot be placed while a peer is still joining or away:
         // such passing errors are retried for a while (see `patiently`).
         patiently("provision the job's streams", || self.provision_once(broker.clone())).await

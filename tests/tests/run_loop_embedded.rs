@@ -365,9 +365,16 @@ async fn misconfigured_jobs_are_refused_naming_the_setting() {
     assert!(matches!(&e, JobError::Config(c) if c.setting == "window_every"), "{e}");
     let e = Job::new("Bad_Name").task(IN, |_| Relay::<false>).start(b.clone()).await.expect_err("bad name");
     assert!(e.to_string().contains("[a-z0-9-]"), "{e}");
-    let e =
-        Job::new("t").max_attempts(3).task(IN, |_| Relay::<false>).start(b.clone()).await.expect_err("setting first");
-    assert!(e.to_string().contains("max_attempts was set before any .task"), "{e}");
+    // Settings before any task are every task's defaults; after a task, that task's.
+    let e = Job::new("t")
+        .window_every(Duration::ZERO)
+        .task(IN, |_| Relay::<false>)
+        .window_every(Duration::from_secs(1))
+        .task(JOBS, |_| Relay::<true>)
+        .start(b.clone())
+        .await
+        .expect_err("the queue task keeps the default of 0");
+    assert!(matches!(&e, JobError::Config(c) if c.setting == "window_every"), "{e}");
     let e = Job::new("t").start(b.clone()).await.expect_err("no tasks");
     assert!(e.to_string().contains("no tasks"), "{e}");
     const BAD: StreamDef<Record> = StreamDef::queue("Bad.Stream");
