@@ -145,7 +145,7 @@ async fn crash_at_and_restart(point: &str) {
         if point == "state-records-stored" {
             // The interrupted flush's records were there and were not taken.
             assert!(
-                restored.lines().any(|l| l.contains("StateRestored") && !l.contains("incomplete: 0")),
+                restored.lines().any(|l| l.contains(r#""type":"state_restored""#) && !l.contains(r#""incomplete":0"#)),
                 "{point}: no restore found an incomplete flush:\n{}\n--- before the crash ---\n{}",
                 flotilla_tests::relay_cluster::tail(&restored, 30),
                 flotilla_tests::relay_cluster::tail(&crashed, 10)
