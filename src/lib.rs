@@ -11,8 +11,8 @@ pub use flotilla_node::NodeError;
 /// What a job or tool usually needs in scope.
 pub mod prelude {
     pub use flotilla_actors::{
-        FailurePolicy, Job, MessageMeta, Producer, ProducerError, RetryPolicy, Sent, ShutdownScope, Store, StoreDef,
-        StreamDef, Task, TaskConfig, TaskContext, TaskError,
+        FailurePolicy, Job, MessageMeta, Misfire, Producer, ProducerError, RetryPolicy, Sent, ShutdownScope, Store,
+        StoreDef, StreamDef, Task, TaskConfig, TaskContext, TaskError,
     };
     pub use flotilla_node::connect::{BrokerChoice, connect};
     pub use flotilla_node::{JobRunner, NodeArgs, NodeError};

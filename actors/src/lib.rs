@@ -36,4 +36,4 @@ pub use retry::RetryPolicy;
 pub use state::ShutdownScope;
 pub use store::{Store, StoreDef};
 pub use stream::{StreamDef, StreamKind, StreamType};
-pub use task::{MessageMeta, Outputs, Task, TaskContext, TaskError};
+pub use task::{MessageMeta, Misfire, Outputs, Task, TaskContext, TaskError};

@@ -164,7 +164,9 @@ pub trait Task: 'static {
         async { Ok(()) }
     }
 
-    /// A timer scheduled with [`TaskContext::schedule`] is due.
+    /// A timer is due: one scheduled in memory with [`TaskContext::schedule`], or a
+    /// durable one ([`TaskContext::schedule_durable`]), which arrives in order with the
+    /// partition's messages and is retried and dead-lettered as a message is.
     fn timer(&mut self, _name: String, _ctx: &mut TaskContext) -> impl Future<Output = Result<(), TaskError>> {
         async { Ok(()) }
     }
@@ -436,6 +438,101 @@ impl Outputs {
     }
 }
 
+/// What a durable timer does when it comes due late (its job was down, or busy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Misfire {
+    /// Fire once, however late (the default).
+    #[default]
+    FireLate,
+    /// Skip it when it would fire more than this late.
+    SkipIfLateBy(Duration),
+}
+
+impl Outputs {
+    /// Arms (or re-arms: a timer of the same name is replaced) the durable timer
+    /// `name` of the task's `input` partition (`partition`; `None` for a queue input).
+    fn arm_timer(
+        &self,
+        input: &str,
+        partition: Option<u32>,
+        name: &str,
+        after: Duration,
+        misfire: Misfire,
+    ) -> Result<(), TaskError> {
+        check_delay(after, &format!("durable timer {name:?}"))?;
+        let (subject, target) = self.timer_subjects(input, partition, name)?;
+        let id = self.next_id();
+        let mut timer = OutboundMessage::new(subject, bytes::Bytes::new());
+        timer.headers.insert(headers::MSG_ID, format!("timer-{id}"));
+        timer.headers.insert(headers::KIND, headers::MessageKind::Timer.as_str());
+        timer.headers.insert(headers::TIMER, name.to_owned());
+        timer.headers.insert(headers::DELAY, after.as_millis().to_string());
+        timer.headers.insert(headers::TARGET, target);
+        timer.headers.insert(headers::SENT, unix_millis(SystemTime::now()).to_string());
+        if let MisfireHeader(Some(policy)) = MisfireHeader::of(misfire) {
+            timer.headers.insert(headers::MISFIRE, policy);
+        }
+        if let Some(tp) = &self.traceparent {
+            timer.headers.insert(headers::TRACEPARENT, tp.to_string());
+        }
+        self.shared().buffer.borrow_mut().push(timer);
+        Ok(())
+    }
+
+    /// Cancels the durable timer `name`: a tombstone replaces it in the timer stream.
+    fn cancel_timer(&self, input: &str, partition: Option<u32>, name: &str) -> Result<(), TaskError> {
+        let (subject, _) = self.timer_subjects(input, partition, name)?;
+        let id = self.next_id();
+        let mut tombstone = OutboundMessage::new(subject, bytes::Bytes::new());
+        tombstone.headers.insert(headers::MSG_ID, format!("cancel-{id}"));
+        tombstone.headers.insert(headers::KIND, headers::TIMER_CANCELLED);
+        tombstone.headers.insert(headers::TIMER, name.to_owned());
+        self.shared().buffer.borrow_mut().push(tombstone);
+        Ok(())
+    }
+
+    /// The timer stream subject of durable timer `name` (the same for every arming,
+    /// so a new one replaces the last) and the input subject it fires into.
+    fn timer_subjects(&self, input: &str, partition: Option<u32>, name: &str) -> Result<(String, String), TaskError> {
+        if let Some(problem) = headers::entry_problem(headers::TIMER, name) {
+            return Err(TaskError::failed(format!(
+                "timer name {name:?} cannot be used: names travel in the {} header, and {problem}",
+                headers::TIMER
+            )));
+        }
+        let stream = StreamName::new(input).map_err(|e| TaskError::fatal(e.to_string()))?;
+        let (slot, target) = match partition {
+            Some(p) => (p.to_string(), self.env.subjects.ordered_partition(&stream, p)),
+            None => ("queue".to_owned(), self.env.subjects.queue(&stream)),
+        };
+        let key = MessageId::from_wire(format!("timer/{input}/{slot}/{name}")).derive_output_text(0);
+        Ok((self.env.subjects.timer(&format!("named-{key}")), target))
+    }
+
+    /// The id of this callback's next output: derived from its cause, else new.
+    fn next_id(&self) -> String {
+        let shared = self.shared();
+        let index = shared.next_index.get();
+        shared.next_index.set(index + 1);
+        match &self.cause {
+            Some(cause) => cause.derive_output_text(index),
+            None => MessageId::new_v7().as_str().to_owned(),
+        }
+    }
+}
+
+/// A misfire policy as its header value (`None` for the default).
+struct MisfireHeader(Option<String>);
+
+impl MisfireHeader {
+    fn of(misfire: Misfire) -> Self {
+        match misfire {
+            Misfire::FireLate => Self(None),
+            Misfire::SkipIfLateBy(late) => Self(Some(format!("skip:{}", late.as_millis()))),
+        }
+    }
+}
+
 /// Coordinator requests a task made during one callback.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Requests {
@@ -453,6 +550,8 @@ pub struct TaskContext {
     pub(crate) timers: Vec<(String, Duration)>,
     /// The partition's stores (tasks that declared some).
     pub(crate) stores: Option<Rc<RefCell<crate::store::StoreSet>>>,
+    /// The task's input stream.
+    input: Option<&'static str>,
 }
 
 impl std::fmt::Debug for TaskContext {
@@ -476,7 +575,14 @@ impl TaskContext {
             deferred: None,
             timers: Vec::new(),
             stores: None,
+            input: None,
         }
+    }
+
+    /// The same context for a task of `input`.
+    pub(crate) fn with_input(mut self, input: &'static str) -> Self {
+        self.input = Some(input);
+        self
     }
 
     /// The same context whose outputs derive their ids from `cause` (hooks of ordered
@@ -593,6 +699,44 @@ impl TaskContext {
         check_delay(after, &format!("timer {name:?}"))?;
         self.timers.push((name, after));
         Ok(())
+    }
+
+    /// Arms the durable timer `name`: after `after`, the task's `timer` hook runs with
+    /// `name` on whichever node owns the partition then, in order with its messages
+    /// (the timer arrives as a message at the end of the partition). It is armed with
+    /// this callback's outputs (only if the callback succeeds) and survives node and
+    /// broker restarts. Arming a timer of the same name again replaces it. A timer
+    /// that comes due late (the job was down) fires once ([`Misfire::FireLate`]); see
+    /// [`schedule_durable_with`](Self::schedule_durable_with).
+    ///
+    /// # Errors
+    /// [`TaskError::Failed`] for a delay over 365 days or a name that cannot travel in
+    /// a header.
+    pub fn schedule_durable(&mut self, name: &str, after: Duration) -> Result<(), TaskError> {
+        self.schedule_durable_with(name, after, Misfire::FireLate)
+    }
+
+    /// As [`schedule_durable`](Self::schedule_durable), with a misfire policy.
+    ///
+    /// # Errors
+    /// As [`schedule_durable`](Self::schedule_durable).
+    pub fn schedule_durable_with(&mut self, name: &str, after: Duration, misfire: Misfire) -> Result<(), TaskError> {
+        let input = self.input_name()?;
+        self.outputs.arm_timer(input, self.partition, name, after, misfire)
+    }
+
+    /// Cancels the durable timer `name` (with this callback's outputs). Cancelling a
+    /// timer that is not armed, or already fired, does nothing.
+    ///
+    /// # Errors
+    /// A name that cannot travel in a header.
+    pub fn cancel_timer(&mut self, name: &str) -> Result<(), TaskError> {
+        let input = self.input_name()?;
+        self.outputs.cancel_timer(input, self.partition, name)
+    }
+
+    fn input_name(&self) -> Result<&'static str, TaskError> {
+        self.input.ok_or_else(|| TaskError::fatal("durable timers need a task's context (this one has no input)"))
     }
 
     /// Runs blocking work on the blocking pool, off the actor thread.

@@ -1309,3 +1309,94 @@ async fn queue_messages_handed_back_by_a_stop_spend_no_attempt() {
     assert_eq!(ATTEMPTS.with(|a| a.borrow().get(&80).cloned()), Some(vec![1, 1, 1, 1]));
     assert_eq!(b.stream_state("FLOTILLA_t_DLQ").await.expect("dlq").messages, 0);
 }
+
+thread_local! {
+    /// Durable timers that fired, by name, in order.
+    static FIRED: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Arms, re-arms and cancels durable timers as its records say: `arm:<name>:<secs>`,
+/// `skip:<name>:<secs>:<allowance ms>`, `cancel:<name>`; a timer that fires sends
+/// `fired <name>`.
+struct Alarm;
+
+impl Task for Alarm {
+    type Input = Record;
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let parts: Vec<&str> = r.body.split(':').collect();
+        let secs = |s: &str| Duration::from_secs(s.parse().unwrap_or(0));
+        match parts.as_slice() {
+            ["arm", name, s] => ctx.schedule_durable(name, secs(s)),
+            ["skip", name, s, ms] => ctx.schedule_durable_with(
+                name,
+                secs(s),
+                flotilla_actors::Misfire::SkipIfLateBy(Duration::from_millis(ms.parse().unwrap_or(0))),
+            ),
+            ["cancel", name] => ctx.cancel_timer(name),
+            _ => Err(TaskError::failed(format!("unknown command {}", r.body))),
+        }
+    }
+    async fn timer(&mut self, name: String, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        FIRED.with(|f| f.borrow_mut().push(name.clone()));
+        ctx.send(&OUT, "alarm", Record { id: 0, body: format!("fired {name}") }).await
+    }
+}
+
+async fn publish_alarm(b: &SharedBroker, id: u64, body: &str) {
+    // One key, one partition: the commands run in order.
+    let payload = codec().encode(&Record { id, body: body.into() }).expect("encode");
+    let subject = format!("flotilla.t.in.{}", partition_for("alarm", 4));
+    let msg = OutboundMessage::new(subject, payload).with_id(format!("alarm-{id}")).with_header(headers::KEY, "alarm");
+    b.publish(msg).await.expect("publish");
+}
+
+/// Durable timers: named, re-arming replaces, cancelling works, and each fires once,
+/// through the partition's input, calling the `timer` hook.
+#[actix_rt::test]
+async fn durable_timers_fire_once_are_replaced_by_re_arming_and_can_be_cancelled() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let running = Job::new("t").task(IN, |_| Alarm).start(b.clone()).await.expect("start");
+    let started = tokio::time::Instant::now();
+    publish_alarm(&b, 1, "arm:a:10").await;
+    publish_alarm(&b, 2, "arm:b:10").await;
+    publish_alarm(&b, 3, "arm:a:20").await; // replaces a
+    publish_alarm(&b, 4, "cancel:b").await;
+    wait_for(&b, "FLOTILLA_t_out", 1).await;
+    assert!(started.elapsed() >= Duration::from_secs(20), "a fired after {:?}, re-armed for 20 s", started.elapsed());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(FIRED.with(|f| f.borrow().clone()), ["a"], "a once (re-armed), b never (cancelled)");
+    assert_eq!(b.stream_state("FLOTILLA_t_DLQ").await.expect("dlq").messages, 0, "the tombstone is dropped quietly");
+    running.stop();
+    running.wait().await.expect("stop");
+}
+
+/// A durable timer that comes due while no node runs fires once when one starts, or
+/// is skipped when its misfire policy says so.
+#[actix_rt::test]
+async fn a_durable_timer_due_while_the_job_was_down_fires_late_once_or_is_skipped() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = || Job::new("t").task(IN, |_| Alarm).start(b.clone());
+    let running = job().await.expect("start");
+    publish_alarm(&b, 1, "arm:late:5").await;
+    publish_alarm(&b, 2, "skip:strict:5:1000").await;
+    let p = partition_for("alarm", 4);
+    for _ in 0..500 {
+        let c = b.consumer_state("FLOTILLA_t_in", &format!("in-p{p}")).await.expect("consumer");
+        if c.ack_floor >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    running.stop();
+    running.wait().await.expect("stop");
+    tokio::time::sleep(Duration::from_secs(60)).await; // both come due with no node up
+    assert!(FIRED.with(|f| f.borrow().is_empty()));
+    let running = job().await.expect("restart");
+    wait_for(&b, "FLOTILLA_t_out", 1).await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(FIRED.with(|f| f.borrow().clone()), ["late"], "late fired once; strict was skipped");
+    running.stop();
+    running.wait().await.expect("stop");
+}

@@ -311,3 +311,48 @@ async fn a_delayed_output_survives_the_node_that_sent_it() {
     job.stop();
     job.wait().await.expect("stop");
 }
+
+/// Sets a durable timer on `arm:<secs>`; the `timer` hook forwards `fired <name>`.
+struct Alarm {
+    out: StreamDef<Record>,
+}
+
+impl Task for Alarm {
+    type Input = Record;
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let secs: u64 = r.body.strip_prefix("arm:").and_then(|s| s.parse().ok()).unwrap_or(0);
+        ctx.schedule_durable(&format!("alarm-{}", r.id), Duration::from_secs(secs))
+    }
+    async fn timer(&mut self, name: String, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        ctx.send(&self.out, &name, Record { id: 0, body: format!("fired {name}") }).await
+    }
+}
+
+/// A durable timer outlives both the node that set it and a restart of nats-server,
+/// and fires once, on the partition's next owner.
+#[actix_rt::test]
+async fn a_durable_timer_survives_its_node_and_a_nats_server_restart() {
+    let mut server = NatsServer::start();
+    let b = connect(&server).await;
+    const IN: StreamDef<Record> = StreamDef::ordered("in", 2);
+    const OUT: StreamDef<Record> = StreamDef::ordered("out", 2);
+    let node = |b: &SharedBroker| Job::new("t").task(IN, |_| Alarm { out: OUT }).output(OUT).start(b.clone());
+    let job = node(&b).await.expect("start");
+    let armed = Instant::now();
+    publish(&b, format!("flotilla.t.in.{}", partition_for("7", 2)), 7, "arm:4").await;
+    wait_count(&b, "FLOTILLA_t_TIMERS", 1, Duration::from_secs(10)).await;
+    job.stop();
+    job.wait().await.expect("stop");
+    server.restart();
+    let b = connect(&server).await;
+    assert_eq!(count(&b, "FLOTILLA_t_TIMERS").await, 1, "the timer is stored, not in a node");
+    let job = node(&b).await.expect("restart");
+    wait_count(&b, "FLOTILLA_t_out", 1, Duration::from_secs(30)).await;
+    assert!(armed.elapsed() >= Duration::from_millis(3900), "fired early: {:?}", armed.elapsed());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let out = read_all(&b, "FLOTILLA_t_out").await;
+    assert_eq!(out.len(), 1, "fired once: {out:?}");
+    assert_eq!(out[0].1.body, "fired alarm-7");
+    job.stop();
+    job.wait().await.expect("stop");
+}

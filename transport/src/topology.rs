@@ -76,13 +76,15 @@ pub fn timer_stream(subjects: &Subjects) -> StreamSpec {
     spec
 }
 
-/// The timer consumer: nak-delayed timers hold ack-pending slots, so no cap.
+/// The timer consumer: nak-delayed timers hold ack-pending slots, so no cap. Its
+/// ack-wait is short: a nak's delay does not survive a restart of the server, and a
+/// timer waiting then comes back after the ack-wait (so at most 5 s late).
 pub fn timer_consumer() -> ConsumerSpec {
     ConsumerSpec {
         name: "timers".into(),
         filter_subject: None,
         ack_policy: AckPolicy::Explicit,
-        ack_wait: Duration::from_secs(30),
+        ack_wait: Duration::from_secs(5),
         max_deliver: None,
         max_ack_pending: None,
     }

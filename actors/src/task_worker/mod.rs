@@ -211,6 +211,13 @@ struct Claimed {
 /// (`Err` when it panicked).
 type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Panic>);
 
+/// What a message asks of the task: `process` with its decoded value, or the `timer`
+/// hook with a durable timer's name.
+enum Call<I> {
+    Process(I),
+    Timer(String),
+}
+
 /// What follows a commit whose state flush is on its way.
 enum AfterCommit {
     /// Go on processing.
@@ -414,7 +421,9 @@ impl<T: Task> TaskWorker<T> {
     }
 
     fn context(&self, meta: Option<MessageMeta>) -> TaskContext {
-        TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta).with_stores(self.stores())
+        TaskContext::new(self.env.clone(), self.binding.partition, self.binding.epoch, meta)
+            .with_stores(self.stores())
+            .with_input(self.binding.stream)
     }
 
     /// The id a hook's outputs derive theirs from, on an ordered partition: from the
@@ -1002,7 +1011,13 @@ impl<T: Task> TaskWorker<T> {
                     reason: format!("its Deserialize panicked: {}", panic_text(&panic)),
                 })
             })
+            .map(Call::Process)
             .map_err(|e| (e.reason(), e.to_string())),
+            // A durable timer that came due: the `timer` hook runs in its place.
+            Some(MessageKind::Timer) => match d.headers.get(headers::TIMER) {
+                Some(name) => Ok(Call::Timer(name.to_owned())),
+                None => Err(("malformed", format!("a timer message without its {} header", headers::TIMER))),
+            },
             Some(marker @ (MessageKind::Drain | MessageKind::EndOfStream)) => Err((
                 "malformed",
                 format!(
@@ -1048,7 +1063,10 @@ impl<T: Task> TaskWorker<T> {
         let Some(mut task) = self.task.take() else { return };
         let mut tctx = self.context(Some(meta));
         let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
-            let result = Supervised::new(task.process(input, &mut tctx)).await;
+            let result = match input {
+                Call::Process(input) => Supervised::new(task.process(input, &mut tctx)).await,
+                Call::Timer(name) => Supervised::new(task.timer(name, &mut tctx)).await,
+            };
             (task, tctx, result)
         });
         // Most handlers finish without waiting on anything: run them here, in this turn,

@@ -268,10 +268,16 @@ enum TimerVerdict {
     Due(String),
     /// Unusable (bad or missing delay or target): dead-letter it with this detail.
     Broken(String),
+    /// Dropped without publishing: a cancelled timer's tombstone, or a timer due
+    /// later than its misfire policy allows (the reason, for the log).
+    Drop(String),
 }
 
 /// Judges a delayed message stored at `published`, at `now`.
 fn judge_timer(subjects: &Subjects, h: &Headers, published: SystemTime, now: SystemTime) -> TimerVerdict {
+    if h.get(headers::KIND) == Some(headers::TIMER_CANCELLED) {
+        return TimerVerdict::Drop(format!("timer {:?} cancelled", h.get(headers::TIMER).unwrap_or_default()));
+    }
     let delay = match h.get(headers::DELAY).map(|v| (v, v.parse::<u64>())) {
         None => return TimerVerdict::Broken(format!("no {} header", headers::DELAY)),
         Some((v, Err(_))) => {
@@ -288,12 +294,35 @@ fn judge_timer(subjects: &Subjects, h: &Headers, published: SystemTime, now: Sys
     if let Some(problem) = subjects.data_target_problem(target) {
         return TimerVerdict::Broken(format!("{}: {problem}", headers::TARGET));
     }
+    let allowance = match misfire_allowance(h) {
+        Ok(a) => a,
+        Err(problem) => return TimerVerdict::Broken(problem),
+    };
     let Some(due) = published.checked_add(delay) else {
         return TimerVerdict::Broken(format!("a delay of {delay:?} from {published:?} is past what a clock can hold"));
     };
     match due.duration_since(now) {
         Ok(wait) if !wait.is_zero() => TimerVerdict::Wait(wait),
-        _ => TimerVerdict::Due(target.to_owned()),
+        Ok(_) => TimerVerdict::Due(target.to_owned()),
+        Err(late) => match allowance {
+            Some(allowed) if late.duration() > allowed => TimerVerdict::Drop(format!(
+                "timer {:?} came due {:?} late, over its misfire allowance of {allowed:?}: skipped",
+                h.get(headers::TIMER).unwrap_or_default(),
+                late.duration()
+            )),
+            _ => TimerVerdict::Due(target.to_owned()),
+        },
+    }
+}
+
+/// How late a timer may fire (`None`: however late), from its misfire header.
+fn misfire_allowance(h: &Headers) -> Result<Option<Duration>, String> {
+    match h.get(headers::MISFIRE) {
+        None | Some("fire") => Ok(None),
+        Some(v) => match v.strip_prefix("skip:").map(str::parse::<u64>) {
+            Some(Ok(ms)) => Ok(Some(Duration::from_millis(ms))),
+            _ => Err(format!("{} {v:?} is neither \"fire\" nor \"skip:<ms>\"", headers::MISFIRE)),
+        },
     }
 }
 
@@ -320,12 +349,18 @@ async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery, no
             }
             return;
         }
+        TimerVerdict::Drop(why) => {
+            tracing::info!(subject = %d.subject, "{why}");
+            let _ = broker.ack(&d.token, AckKind::Term).await;
+            return;
+        }
         TimerVerdict::Due(target) => target,
     };
     let mut out = OutboundMessage::new(target.clone(), d.payload.clone());
     out.headers = d.headers.clone();
     out.headers.remove(headers::DELAY);
     out.headers.remove(headers::TARGET);
+    out.headers.remove(headers::MISFIRE);
     if let Some(id) = d.headers.msg_id().and_then(|id| id.strip_prefix("timer-")) {
         out.headers.insert(headers::MSG_ID, id.to_owned());
     }
@@ -533,6 +568,16 @@ mod tests {
         assert!(broken(timer(&year_and_a_day, "flotilla.relay.relay-out.1")), "over the limit");
         assert!(broken(Headers::new().with(headers::DELAY, "5")), "no target");
         assert!(broken(Headers::new().with(headers::TARGET, "flotilla.relay.relay-out.1")), "no delay");
+        // Durable timers: a tombstone is dropped; a late one fires, or is skipped past
+        // its misfire allowance.
+        let tombstone = Headers::new().with(headers::KIND, headers::TIMER_CANCELLED).with(headers::TIMER, "t");
+        assert!(matches!(judge(&tombstone, at), TimerVerdict::Drop(_)));
+        let skip = ok.clone().with(headers::MISFIRE, "skip:2000");
+        assert_eq!(judge(&skip, at + Duration::from_secs(6)), TimerVerdict::Due("flotilla.relay.relay-out.3".into()));
+        assert!(matches!(judge(&skip, at + Duration::from_secs(8)), TimerVerdict::Drop(_)), "3 s late, 2 s allowed");
+        let fire = ok.clone().with(headers::MISFIRE, "fire");
+        assert!(matches!(judge(&fire, at + Duration::from_secs(600)), TimerVerdict::Due(_)));
+        assert!(broken(ok.clone().with(headers::MISFIRE, "sometimes")), "an unknown policy");
     }
 
     #[actix_rt::test]

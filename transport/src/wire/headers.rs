@@ -30,6 +30,15 @@ pub const DELAY: &str = "Flotilla-Delay";
 /// The subject a delayed message is published to when due (timer stream only).
 pub const TARGET: &str = "Flotilla-Target";
 
+/// A durable timer's name, on the timer message that calls the `timer` hook.
+pub const TIMER: &str = "Flotilla-Timer";
+/// A durable timer's misfire policy (timer stream only): `fire` (fire late once, the
+/// default when absent) or `skip:<ms>` (dropped when it would fire more than that late).
+pub const MISFIRE: &str = "Flotilla-Misfire";
+/// The `Flotilla-Kind` of a cancelled durable timer's tombstone in the timer stream
+/// (it replaces the timer; the timer service drops it).
+pub const TIMER_CANCELLED: &str = "timer-cancelled";
+
 /// Why a message was dead-lettered: a short code (`malformed`, `too-large`,
 /// `type-mismatch`, `unsupported-version`, `max-attempts`, `max-deliveries`, `handler`).
 pub const DLQ_REASON: &str = "Flotilla-Dlq-Reason";
@@ -48,7 +57,7 @@ pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 19] = [
+pub(crate) const KNOWN: [&str; 21] = [
     MSG_ID,
     KEY,
     KIND,
@@ -68,6 +77,8 @@ pub(crate) const KNOWN: [&str; 19] = [
     DLQ_SEQ,
     DLQ_DELIVERIES,
     DLQ_ATTEMPTS,
+    TIMER,
+    MISFIRE,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a
@@ -114,6 +125,9 @@ pub enum MessageKind {
     Drain,
     /// End of stream for this partition.
     EndOfStream,
+    /// A durable timer that came due: the task's `timer` hook runs with its name
+    /// ([`TIMER`]), in order with the partition's messages.
+    Timer,
 }
 
 impl MessageKind {
@@ -123,6 +137,7 @@ impl MessageKind {
             MessageKind::Data => "data",
             MessageKind::Drain => "drain",
             MessageKind::EndOfStream => "end-of-stream",
+            MessageKind::Timer => "timer",
         }
     }
 
@@ -132,6 +147,7 @@ impl MessageKind {
             "data" => Some(MessageKind::Data),
             "drain" => Some(MessageKind::Drain),
             "end-of-stream" => Some(MessageKind::EndOfStream),
+            "timer" => Some(MessageKind::Timer),
             _ => None,
         }
     }
