@@ -44,6 +44,9 @@ pub mod keys {
         format!("{stream}.{partition}")
     }
 
+    /// The key recording which partitions reached their end of stream in a run.
+    pub const ENDED: &str = "ended";
+
     /// The key recording that a partition is drained.
     pub fn drained(stream: &str, partition: u32) -> String {
         format!("drained.{stream}.{partition}")
@@ -200,6 +203,16 @@ pub struct RequestRecord {
     pub run_id: String,
     /// When it was issued (ms since the Unix epoch).
     pub issued_ms: u64,
+}
+
+/// The partitions that processed an end-of-stream marker in a run: when every ordered
+/// partition of the job has, the run is over and every node leaves, as after a drain.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct EndedRecord {
+    /// The run.
+    pub run_id: String,
+    /// The partitions, as `stream/partition`.
+    pub partitions: BTreeSet<String>,
 }
 
 /// A partition that processed its drain marker.

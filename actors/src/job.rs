@@ -942,7 +942,7 @@ async fn current_run(
         }
         match broker.kv_update(&b.control, keys::RUN, json(&fresh), entry.revision).await {
             Ok(_) => {
-                tracing::info!(previous = %current.run_id, run = %fresh.run_id, "the previous run was drained: a new run begins");
+                tracing::info!(previous = %current.run_id, run = %fresh.run_id, "the previous run was drained or ended: a new run begins");
                 return Ok(fresh.run_id);
             }
             Err(BrokerError::KvWrongRevision { .. }) => continue,
@@ -955,14 +955,24 @@ async fn current_run(
     })
 }
 
-/// Whether `run` was drained: a drain was requested for it and every ordered partition
-/// recorded its drain.
+/// Whether `run` is over: every ordered partition reached its end of stream in it, or
+/// a drain was requested for it and every ordered partition recorded its drain.
 async fn run_drained(
     broker: &SharedBroker,
     b: &Buckets,
     topology: &TopologyRecord,
     run: &str,
 ) -> Result<bool, JobError> {
+    // A run whose every partition reached its end of stream is over too.
+    if let Some(e) = broker.kv_get(&b.control, keys::ENDED).await?
+        && let Ok(ended) = serde_json::from_slice::<crate::cluster::EndedRecord>(&e.value)
+        && ended.run_id == run
+    {
+        let parts = topology.partitions();
+        if !parts.is_empty() && parts.iter().all(|(s, p)| ended.partitions.contains(&format!("{s}/{p}"))) {
+            return Ok(true);
+        }
+    }
     let Some(drain) = broker.kv_get(&b.control, keys::DRAIN).await? else { return Ok(false) };
     if serde_json::from_slice::<RequestRecord>(&drain.value).map_or(true, |d| d.run_id != run) {
         return Ok(false);

@@ -276,3 +276,45 @@ async fn a_pending_drain_shows_in_status_and_cancelling_it_lets_the_next_node_ru
     second.stop();
     second.wait().await.expect("n2 stops");
 }
+
+/// End of stream on every partition completes the job across nodes: each node leaves
+/// once every partition (its own and the others') processed its marker, and the next
+/// start begins a new run that goes on after the markers.
+#[actix_rt::test]
+async fn end_of_stream_on_every_partition_ends_the_run_on_every_node() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let node = |b: &SharedBroker, id: &'static str| {
+        Job::new("shop").task(IN, |_| Ship { fixed: Rc::new(Cell::new(true)) }).output(OUT).start_node(
+            b.clone(),
+            id,
+            flotilla_actors::cluster::ClusterConfig::default(),
+        )
+    };
+    let (a, c) = (node(&b, "a").await.expect("a"), node(&b, "c").await.expect("c"));
+    let run = a.run_id().to_owned();
+    assert_eq!(c.run_id(), run, "one run");
+    let producer = Producer::new(b.clone(), "shop").expect("producer");
+    let orders: Vec<(String, Order)> = (0..40).map(|id| (id.to_string(), Order { id, note: "ok".into() })).collect();
+    producer.send_batch(&IN, orders.iter().map(|(k, o)| (k.as_str(), o))).await.expect("send");
+    for p in 0..4 {
+        let marker = OutboundMessage::new(format!("flotilla.shop.orders.{p}"), bytes::Bytes::new())
+            .with_id(format!("eos-{p}"))
+            .with_header(flotilla_transport::wire::headers::KIND, "end-of-stream");
+        b.publish(marker).await.expect("marker");
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        a.wait().await.expect("a ends cleanly");
+        c.wait().await.expect("c ends cleanly");
+    })
+    .await;
+    assert!(ended.is_ok(), "both nodes left once every partition ended");
+    assert_eq!(count(&b, "FLOTILLA_shop_shipped").await, 40, "everything before the markers was processed");
+
+    let next = node(&b, "a").await.expect("a again");
+    assert_ne!(next.run_id(), run, "the ended run is over: a new one begins");
+    producer.send(&IN, "41", Order { id: 41, note: "ok".into() }).await.expect("after the markers");
+    wait_count(&b, "FLOTILLA_shop_shipped", 41, Duration::from_secs(60)).await;
+    next.stop();
+    next.wait().await.expect("stops");
+}

@@ -12,6 +12,8 @@ pub enum LeaveReason {
     Shutdown,
     /// Every partition processed its drain marker: the run is over.
     Drained,
+    /// Every partition processed an end-of-stream marker: the run is over.
+    Ended,
 }
 
 /// Leave the cluster gracefully: hand every partition over (finish in-flight work,

@@ -29,8 +29,8 @@ pub use messages::{ControlMessage, Deregister, Leave, LeaveReason};
 
 use crate::assignment;
 use crate::cluster::{
-    self, ClusterConfig, ControlReply, ControlRequest, DrainedRecord, Fence, LeaseRecord, NodeStatus, PauseRecord,
-    RequestRecord, keys,
+    self, ClusterConfig, ControlReply, ControlRequest, DrainedRecord, EndedRecord, Fence, LeaseRecord, NodeStatus,
+    PauseRecord, RequestRecord, keys,
 };
 use crate::container::{AddSlot, Container, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
 use crate::reaper::{AcquireLease, Reaper, Tidy};
@@ -134,6 +134,8 @@ struct View {
     paused: PauseRecord,
     drain: Option<RequestRecord>,
     drained: BTreeSet<Part>,
+    /// Partitions at their end of stream in this node's run.
+    ended: BTreeSet<Part>,
     shutdown: Option<KvEntry>,
     stop: bool,
 }
@@ -156,6 +158,7 @@ pub struct Membership {
     paused: PauseRecord,
     drain: Option<RequestRecord>,
     drained: BTreeSet<Part>,
+    ended: BTreeSet<Part>,
     /// Control requests handled lately, with the first answer to each.
     seen: VecDeque<(String, ControlReply)>,
     tidy_at: Instant,
@@ -192,6 +195,7 @@ impl Membership {
             paused: PauseRecord::default(),
             drain: None,
             drained: BTreeSet::new(),
+            ended: BTreeSet::new(),
             seen: VecDeque::new(),
             tidy_at: now,
             gone: false,
@@ -224,6 +228,7 @@ impl Membership {
         let b = self.buckets.clone();
         let parts = self.partitions();
         let node = self.s.node.clone();
+        let run_id = self.s.run_id.clone();
         let started = Instant::now();
         let fut = async move {
             // Leases first, then nodes: a lease seen here was taken by a node that had
@@ -261,9 +266,17 @@ impl Membership {
                     }
                 }
             }
+            let ended = match broker.kv_get(&b.control, keys::ENDED).await? {
+                Some(e) => serde_json::from_slice::<EndedRecord>(&e.value)
+                    .ok()
+                    .filter(|r| r.run_id == run_id)
+                    .map(|r| r.partitions.iter().filter_map(|p| parse_part(p)).collect())
+                    .unwrap_or_default(),
+                None => BTreeSet::new(),
+            };
             let shutdown = broker.kv_get(&b.control, keys::SHUTDOWN).await?;
             let stop = broker.kv_get(&b.control, &keys::stop(&node)).await?.is_some();
-            Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, shutdown, stop })
+            Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, ended, shutdown, stop })
         };
         ctx.spawn(fut.into_actor(self).map(move |view, act, ctx| {
             act.scanning = false;
@@ -316,6 +329,8 @@ impl Membership {
         }
         self.drain = view.drain.clone();
         self.drained = view.drained.clone();
+        // What this node recorded may not be in the view yet.
+        self.ended.extend(view.ended.iter().cloned());
         if let Some(e) = &view.shutdown
             && e.revision > self.s.shutdown_seen
             && self.leaving.is_none()
@@ -335,6 +350,13 @@ impl Membership {
             if !all.is_empty() && all.iter().all(|p| self.drained.contains(p)) {
                 info!(run = %d.run_id, "every partition is drained: the run is over, leaving");
                 self.leave(LeaveReason::Drained, ctx);
+            }
+        }
+        if self.leaving.is_none() {
+            let all = self.partitions();
+            if !all.is_empty() && all.iter().all(|p| self.ended.contains(p)) {
+                info!(run = %self.s.run_id, "every partition reached its end of stream: the run is over, leaving");
+                self.leave(LeaveReason::Ended, ctx);
             }
         }
         if self.leaving.is_some() || !self.registered {
@@ -379,6 +401,7 @@ impl Membership {
                 }
                 if leased
                     || self.drained.contains(&part) && self.drain.as_ref().is_some_and(|d| d.run_id == self.s.run_id)
+                    || self.ended.contains(&part)
                 {
                     self.unleased_since.remove(&part);
                     continue;
@@ -906,6 +929,27 @@ impl Handler<SlotEnded> for Membership {
 
     fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
         let Some(part) = self.slot_of.remove(&ended.slot) else { return };
+        if ended.outcome == Outcome::EndOfStream {
+            // Record it before the lease goes, so no node starts the partition again in
+            // this run; the last one ends the run.
+            info!(stream = %part.0, partition = part.1, "partition reached its end of stream");
+            self.ended.insert(part.clone());
+            let record =
+                record_ended(self.s.broker.clone(), self.buckets.control.clone(), self.s.run_id.clone(), &part);
+            let del = self.held.get(&part).map(|h| h.revision);
+            let broker = self.s.broker.clone();
+            let bucket = self.buckets.leases.clone();
+            self.held.remove(&part);
+            actix::spawn(async move {
+                if let Err(e) = record.await {
+                    warn!(error = %e, "could not record the partition's end of stream");
+                }
+                if let Some(rev) = del {
+                    let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
+                }
+            });
+            return;
+        }
         if ended.outcome == Outcome::Drained {
             // Record it before the lease goes, so no node starts the partition again in
             // this run.
@@ -934,6 +978,50 @@ impl Handler<SlotEnded> for Membership {
         if self.held.contains_key(&part) {
             self.delete_lease(&part);
         }
+    }
+}
+
+/// `stream/partition` back into a partition.
+fn parse_part(text: &str) -> Option<Part> {
+    let (stream, p) = text.rsplit_once('/')?;
+    Some((stream.to_owned(), p.parse().ok()?))
+}
+
+/// Adds `part` to the run's end-of-stream record, by compare-and-set (other nodes add
+/// theirs at the same time). A record of another run is replaced.
+fn record_ended(
+    broker: SharedBroker,
+    bucket: String,
+    run_id: String,
+    part: &Part,
+) -> impl std::future::Future<Output = Result<(), BrokerError>> + 'static {
+    let name = format!("{}/{}", part.0, part.1);
+    async move {
+        for _ in 0..20 {
+            let entry = broker.kv_get(&bucket, keys::ENDED).await?;
+            let mut record = entry
+                .as_ref()
+                .and_then(|e| serde_json::from_slice::<EndedRecord>(&e.value).ok())
+                .filter(|r| r.run_id == run_id)
+                .unwrap_or_else(|| EndedRecord { run_id: run_id.clone(), partitions: BTreeSet::new() });
+            if !record.partitions.insert(name.clone()) {
+                return Ok(());
+            }
+            let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+            let written = match &entry {
+                Some(e) => broker.kv_update(&bucket, keys::ENDED, value, e.revision).await,
+                None => broker.kv_create(&bucket, keys::ENDED, value).await,
+            };
+            match written {
+                Ok(_) => return Ok(()),
+                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(BrokerError::Other {
+            operation: "record an end of stream".into(),
+            reason: "the record kept changing".into(),
+        })
     }
 }
 
