@@ -318,3 +318,57 @@ async fn end_of_stream_on_every_partition_ends_the_run_on_every_node() {
     next.stop();
     next.wait().await.expect("stops");
 }
+
+/// Ships orders; an order with the note "close" asks to shut its task down.
+struct Closer;
+
+impl Task for Closer {
+    type Input = Order;
+    async fn process(&mut self, order: Order, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        if order.note == "close" {
+            ctx.shutdown(flotilla_actors::ShutdownScope::CurrentTask);
+        }
+        ctx.send(&OUT, &order.id.to_string(), &order).await
+    }
+}
+
+/// A task's `shutdown(CurrentTask)` acts across nodes, as the reference run loop's
+/// coordinator requests do: the partition is done for the run (no other node takes it
+/// up), and once every partition's task asked, every node leaves.
+#[actix_rt::test]
+async fn shutdown_requests_of_every_task_end_the_run_on_every_node() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let node = |b: &SharedBroker, id: &'static str| {
+        Job::new("shop").task(IN, |_| Closer).output(OUT).start_node(
+            b.clone(),
+            id,
+            flotilla_actors::cluster::ClusterConfig::default(),
+        )
+    };
+    let (a, c) = (node(&b, "a").await.expect("a"), node(&b, "c").await.expect("c"));
+    let run = a.run_id().to_owned();
+    let producer = Producer::new(b.clone(), "shop").expect("producer");
+    // One "close" per partition: a key of each.
+    let mut closes = std::collections::BTreeMap::new();
+    for id in 0u64.. {
+        closes.entry(flotilla_transport::wire::partition_for(&id.to_string(), 4)).or_insert(id);
+        if closes.len() == 4 {
+            break;
+        }
+    }
+    for &id in closes.values() {
+        producer.send(&IN, &id.to_string(), Order { id, note: "close".into() }).await.expect("close");
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(60), async {
+        a.wait().await.expect("a ends cleanly");
+        c.wait().await.expect("c ends cleanly");
+    })
+    .await;
+    assert!(ended.is_ok(), "both nodes left once every task asked to shut down");
+    assert_eq!(count(&b, "FLOTILLA_shop_shipped").await, 4);
+    let next = node(&b, "a").await.expect("a again");
+    assert_ne!(next.run_id(), run, "the run is over: a new one begins");
+    next.stop();
+    next.wait().await.expect("stops");
+}

@@ -129,6 +129,9 @@ struct Slot {
     resyncing: bool,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
+    /// Its task asked to shut down (`ShutdownScope::CurrentTask`) on a node of a
+    /// cluster: the partition is done for this run, as at its end of stream.
+    asked_to_end: bool,
     paused: bool,
     step_credits: u32,
     deliveries: u64,
@@ -157,6 +160,7 @@ impl Slot {
             reset_failures: 0,
             resyncing: false,
             stopping: false,
+            asked_to_end: false,
             paused,
             step_credits: 0,
             deliveries: 0,
@@ -678,6 +682,9 @@ impl Handler<WorkerReport> for Container {
                     && let Some(w) = s.worker.as_ref()
                 {
                     s.stopping = true;
+                    // In a cluster the request outlives this node: the partition is done
+                    // for the run, and the run ends once every partition is.
+                    s.asked_to_end = s.spec.partition.is_some();
                     w.stop.do_send(StopWorker);
                 }
             }
@@ -728,6 +735,14 @@ impl Handler<WorkerReport> for Container {
                     _ => {}
                 }
                 let restarting = self.slots.get(&slot).is_some_and(|s| s.worker.is_none()) && !self.stopping;
+                let asked_to_end = self.slots.get(&slot).is_some_and(|s| s.asked_to_end);
+                let outcome_copy = match outcome_copy {
+                    Outcome::Stopped if asked_to_end => {
+                        info!(slot, "the task asked to shut down: its partition is done for this run");
+                        Outcome::EndOfStream
+                    }
+                    other => other,
+                };
                 if !restarting {
                     self.report_ended(slot, outcome_copy);
                 }
