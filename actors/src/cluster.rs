@@ -44,6 +44,9 @@ pub mod keys {
         format!("{stream}.{partition}")
     }
 
+    /// The key holding the parked keys of queue inputs.
+    pub const PARKED: &str = "parked";
+
     /// The key recording which partitions reached their end of stream in a run.
     pub const ENDED: &str = "ended";
 
@@ -213,6 +216,13 @@ pub struct EndedRecord {
     pub run_id: String,
     /// The partitions, as `stream/partition`.
     pub partitions: BTreeSet<String>,
+}
+
+/// The keys parked on queue inputs: stream → keys.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ParkedRecord {
+    /// Parked keys per queue input.
+    pub keys: std::collections::BTreeMap<String, BTreeSet<String>>,
 }
 
 /// A partition that processed its drain marker.

@@ -494,6 +494,7 @@ impl Job {
             let released =
                 topology::bucket(&subjects, crate::task_worker::RELEASED, Some(crate::task_worker::RELEASED_TTL));
             broker.ensure_kv(released.with_replicas(r)).await?;
+            broker.ensure_stream(topology::parked_stream(&subjects).with_replicas(r)).await?;
         }
         if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
             broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;
@@ -823,6 +824,7 @@ impl Job {
             reaper,
             shutdown_seen,
             left: left.clone(),
+            parked: env.parked.clone(),
         }));
         Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)) })
     }

@@ -208,6 +208,39 @@ pub struct TaskEnv {
     /// suspect it was running is the one to blame, not its neighbours in other
     /// partitions.
     pub(crate) suspect_lane: std::sync::Arc<tokio::sync::Semaphore>,
+    /// Keys of queue inputs parked by `park --key` (kept current by the node's
+    /// membership).
+    pub parked: ParkedKeys,
+}
+
+/// The keys parked on each queue input (`park --stream S --key K`): their messages are
+/// set aside in the job's PARKED stream instead of running, until `step` or `unpark`.
+/// Shared by the node's membership (which reads the desired state) and its workers.
+#[derive(Debug, Clone, Default)]
+pub struct ParkedKeys(std::sync::Arc<ParkedInner>);
+
+#[derive(Debug, Default)]
+struct ParkedInner {
+    /// Whether any key is parked: the check on the hot path.
+    any: std::sync::atomic::AtomicBool,
+    keys: std::sync::RwLock<std::collections::BTreeMap<String, std::collections::BTreeSet<String>>>,
+}
+
+impl ParkedKeys {
+    /// Replaces the parked keys (stream → keys).
+    pub fn set(&self, keys: std::collections::BTreeMap<String, std::collections::BTreeSet<String>>) {
+        let any = keys.values().any(|k| !k.is_empty());
+        if let Ok(mut k) = self.0.keys.write() {
+            *k = keys;
+        }
+        self.0.any.store(any, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether `key` of queue input `stream` is parked.
+    pub fn is_parked(&self, stream: &str, key: &str) -> bool {
+        self.0.any.load(std::sync::atomic::Ordering::Acquire)
+            && self.0.keys.read().is_ok_and(|k| k.get(stream).is_some_and(|keys| keys.contains(key)))
+    }
 }
 
 impl TaskEnv {
@@ -221,6 +254,7 @@ impl TaskEnv {
             replicas: 1,
             provisioned: RefCell::default(),
             suspect_lane: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            parked: ParkedKeys::default(),
         }
     }
 

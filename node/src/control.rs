@@ -8,8 +8,8 @@
 //! answers, and waits, with progress, for the outcome.
 
 use flotilla_actors::cluster::{
-    self, ControlReply, ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, PauseRecord, RequestRecord, RunRecord,
-    SlotStatus, TopologyRecord, keys, now_ms,
+    self, ControlReply, ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, ParkedRecord, PauseRecord,
+    RequestRecord, RunRecord, SlotStatus, TopologyRecord, keys, now_ms,
 };
 use flotilla_actors::membership::Buckets;
 use flotilla_transport::broker::{BrokerError, CoreMessage, OutboundMessage, SharedBroker};
@@ -84,15 +84,41 @@ pub enum ControlCommand {
         #[arg(long, requires = "stream")]
         partition: Option<u32>,
     },
-    /// Process exactly one message of a paused partition.
-    #[command(after_help = "Example:\n  flotilla --job relay step --stream relay-in --partition 3")]
+    /// Process exactly one message of a paused partition, or of a parked key.
+    #[command(
+        after_help = "Examples:\n  flotilla --job relay step --stream relay-in --partition 3\n  flotilla --job shop step --stream refunds --key customer-7"
+    )]
     Step {
         /// The stream.
         #[arg(long)]
         stream: String,
-        /// The partition.
+        /// The partition (ordered inputs).
+        #[arg(long, required_unless_present = "key", conflicts_with = "key")]
+        partition: Option<u32>,
+        /// The parked key (queue inputs): its oldest message runs.
         #[arg(long)]
-        partition: u32,
+        key: Option<String>,
+    },
+    /// Park one key of a queue input: its messages are set aside, in order, while the
+    /// others keep flowing (until `unpark`; `step --key` lets one through).
+    #[command(after_help = "Example:\n  flotilla --job shop park --stream refunds --key customer-7")]
+    Park {
+        /// The queue input.
+        #[arg(long)]
+        stream: String,
+        /// The key.
+        #[arg(long)]
+        key: String,
+    },
+    /// Unpark a key: its messages set aside go back to the queue in their order.
+    #[command(after_help = "Example:\n  flotilla --job shop unpark --stream refunds --key customer-7")]
+    Unpark {
+        /// The queue input.
+        #[arg(long)]
+        stream: String,
+        /// The key.
+        #[arg(long)]
+        key: String,
     },
     /// Dead letters: list, show, replay, purge.
     Dlq {
@@ -195,6 +221,10 @@ pub struct ClusterStatus {
     /// A drain of the current run that has not ended: it makes every node of the run
     /// drain and exit, those started later too, until it ends or is cancelled.
     pub pending_drain: Option<PendingDrain>,
+    /// Parked keys of queue inputs (stream → keys).
+    pub parked_keys: BTreeMap<String, BTreeSet<String>>,
+    /// Messages set aside for parked keys, all streams.
+    pub parked_messages: u64,
     /// Records stored where no consumer reads them, per subject: on partitions an
     /// ordered input does not have (only a stream created before streams listed their
     /// partitions takes them).
@@ -470,8 +500,16 @@ impl ControlClient {
             Some(run) => self.pending_drain(run, &topology).await?,
             None => None,
         };
+        let parked_keys = match self.broker.kv_get(&self.buckets.control, keys::PARKED).await? {
+            Some(e) => serde_json::from_slice::<ParkedRecord>(&e.value).unwrap_or_default().keys,
+            None => BTreeMap::new(),
+        };
+        let parked_messages =
+            self.broker.stream_state(&self.subjects.parked_stream_name()).await.map(|s| s.messages).unwrap_or(0);
         Ok(ClusterStatus {
             pending_drain,
+            parked_keys,
+            parked_messages,
             job: self.job.clone(),
             run_id,
             members: members.into_iter().collect(),
@@ -827,6 +865,132 @@ impl ControlClient {
     }
 }
 
+impl ControlClient {
+    /// Parks (`on`) or unparks a key of a queue input. Parking writes the desired state;
+    /// nodes set the key's messages aside from their next scan on. Unparking sends the
+    /// messages set aside back to the queue in their order (let through even where the
+    /// park is still seen), clears the key, and after a scan interval sends back any
+    /// message a node parked meanwhile. Returns how many messages are (were) set aside.
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] for a stream that is not a queue input of the job.
+    pub async fn park(&self, stream: &str, key: &str, on: bool) -> Result<usize, ControlError> {
+        self.check_queue(stream).await?;
+        if on {
+            self.change_parked(stream, key, true).await?;
+            return Ok(self.parked_messages(stream, key).await?.len());
+        }
+        let mut moved = self.send_back(stream, key, usize::MAX).await?;
+        self.change_parked(stream, key, false).await?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        moved += self.send_back(stream, key, usize::MAX).await?;
+        Ok(moved)
+    }
+
+    /// Lets the oldest message set aside of a parked key run; returns its sequence in
+    /// the queue stream it came from.
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] when none is set aside.
+    pub async fn step_key(&self, stream: &str, key: &str) -> Result<u64, ControlError> {
+        self.check_queue(stream).await?;
+        let parked = self.parked_messages(stream, key).await?;
+        let Some((seq, _)) = parked.first() else {
+            return Err(ControlError::Refused(format!("no message of key {key:?} of {stream} is set aside")));
+        };
+        let seq = *seq;
+        self.send_back(stream, key, 1).await?;
+        Ok(seq)
+    }
+
+    async fn check_queue(&self, stream: &str) -> Result<(), ControlError> {
+        self.check_scope(Some(stream), None).await?;
+        let topology = self.topology().await?;
+        if topology.inputs.iter().any(|i| i.stream == stream && i.partitions.is_some()) {
+            return Err(ControlError::Refused(format!(
+                "{stream} is an ordered input: its keys share partitions, so pause a partition (pause --stream {stream} --partition P); park --key is for queue inputs"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn change_parked(&self, stream: &str, key: &str, on: bool) -> Result<(), ControlError> {
+        for _ in 0..10 {
+            let entry = self.broker.kv_get(&self.buckets.control, keys::PARKED).await?;
+            let mut record: ParkedRecord =
+                entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+            let keys = record.keys.entry(stream.to_owned()).or_default();
+            let changed = if on { keys.insert(key.to_owned()) } else { keys.remove(key) };
+            record.keys.retain(|_, k| !k.is_empty());
+            if !changed {
+                return Ok(());
+            }
+            let written = match &entry {
+                Some(e) => self.broker.kv_update(&self.buckets.control, keys::PARKED, json(&record), e.revision).await,
+                None => self.broker.kv_create(&self.buckets.control, keys::PARKED, json(&record)).await,
+            };
+            match written {
+                Ok(_) => return Ok(()),
+                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(ControlError::Incomplete("the parked keys kept changing: try again".into()))
+    }
+
+    /// The messages set aside for `key` of `stream`: (sequence in the queue stream,
+    /// the stored parked message), oldest first.
+    async fn parked_messages(
+        &self,
+        stream: &str,
+        key: &str,
+    ) -> Result<Vec<(u64, flotilla_transport::broker::StoredMessage)>, ControlError> {
+        let name = StreamName::new(stream.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
+        let parked_stream = self.subjects.parked_stream_name();
+        let subject = self.subjects.parked(&name);
+        let state = match self.broker.stream_state(&parked_stream).await {
+            Ok(s) => s,
+            Err(BrokerError::StreamNotFound { .. }) => return Ok(Vec::new()),
+            Err(e) => return Err(e.into()),
+        };
+        let mut out = Vec::new();
+        if state.messages == 0 {
+            return Ok(out);
+        }
+        for seq in state.first_seq.max(1)..=state.last_seq {
+            let Some(m) = self.broker.get_message(&parked_stream, seq).await? else { continue };
+            if m.subject == subject && m.headers.get(headers::KEY) == Some(key) {
+                let from = m.headers.get(headers::PARKED_SEQ).and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
+                out.push((from, m));
+            }
+        }
+        out.sort_by_key(|(from, m)| (*from, m.seq));
+        Ok(out)
+    }
+
+    /// Sends up to `limit` messages set aside for `key` back to the queue, oldest
+    /// first, let through although the key may still be parked; returns how many.
+    async fn send_back(&self, stream: &str, key: &str, limit: usize) -> Result<usize, ControlError> {
+        let name = StreamName::new(stream.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
+        let parked_stream = self.subjects.parked_stream_name();
+        let mut moved = 0;
+        for (_, m) in self.parked_messages(stream, key).await?.into_iter().take(limit) {
+            let mut out = OutboundMessage::new(self.subjects.queue(&name), m.payload.clone());
+            for (k, v) in m.headers.iter() {
+                if k != headers::PARKED_SEQ && k != headers::MSG_ID {
+                    out.headers.append(k.to_owned(), v.to_owned());
+                }
+            }
+            out.headers.insert(headers::MSG_ID, format!("unparked-{}-{}", self.job, m.seq));
+            out.headers.insert(headers::STEP, "1");
+            self.broker.publish(out).await?;
+            self.broker.delete_message(&parked_stream, m.seq).await?;
+            moved += 1;
+        }
+        Ok(moved)
+    }
+}
+
 fn set(set: &mut BTreeSet<String>, item: String, on: bool) {
     if on {
         set.insert(item);
@@ -853,6 +1017,13 @@ pub fn print_status(s: &ClusterStatus) {
             d.drained,
             d.partitions
         );
+    }
+    for (stream, keys) in &s.parked_keys {
+        let keys: Vec<String> = keys.iter().map(|k| format!("{k:?}")).collect();
+        crate::outln!("PARKED: {stream} keys {} (`unpark --stream {stream} --key K` sends them back)", keys.join(", "));
+    }
+    if s.parked_messages > 0 {
+        crate::outln!("{} message(s) set aside for parked keys", s.parked_messages);
     }
     for (subject, n) in &s.unreachable {
         crate::outln!(
@@ -969,7 +1140,22 @@ pub async fn run_command_typed(
             .set_paused(stream.as_deref(), partition, false)
             .await
             .map(|r| crate::outln!("paused now: {}", describe(&r))),
-        ControlCommand::Step { stream, partition } => client
+        ControlCommand::Step { stream, key: Some(key), .. } => client
+            .step_key(&stream, &key)
+            .await
+            .map(|seq| crate::outln!("stepped {stream} key {key:?}: its message of sequence {seq} runs")),
+        ControlCommand::Park { stream, key } => client
+            .park(&stream, &key, true)
+            .await
+            .map(|n| crate::outln!("parked {stream} key {key:?}; {n} message(s) of it set aside so far")),
+        ControlCommand::Unpark { stream, key } => client
+            .park(&stream, &key, false)
+            .await
+            .map(|n| crate::outln!("unparked {stream} key {key:?}: {n} message(s) back in the queue, in order")),
+        ControlCommand::Step { stream, partition: None, .. } => {
+            Err(ControlError::Refused(format!("step --stream {stream} needs --partition P or --key K")))
+        }
+        ControlCommand::Step { stream, partition: Some(partition), .. } => client
             .step(&stream, partition)
             .await
             .map(|node| crate::outln!("stepped {stream}/{partition} on node {node}")),

@@ -372,3 +372,59 @@ async fn shutdown_requests_of_every_task_end_the_run_on_every_node() {
     next.stop();
     next.wait().await.expect("stops");
 }
+
+const REFUNDS: StreamDef<Order> = StreamDef::queue("refunds");
+const REFUNDED: StreamDef<Order> = StreamDef::queue("refunded");
+
+/// Forwards refunds.
+struct Refund;
+
+impl Task for Refund {
+    type Input = Order;
+    async fn process(&mut self, order: Order, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        ctx.send(&REFUNDED, &order.id.to_string(), &order).await
+    }
+}
+
+/// Park one key of a queue input: its messages are set aside while the others flow;
+/// `step --key` lets the oldest through; `unpark` sends the rest back in order.
+#[actix_rt::test]
+async fn a_parked_key_waits_while_others_flow_and_step_and_unpark_let_it_through() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let job = Job::new("shop")
+        .task(REFUNDS, |_| Refund)
+        .output(REFUNDED)
+        .start_node(b.clone(), "n1", flotilla_actors::cluster::ClusterConfig::default())
+        .await
+        .expect("node");
+    let control = flotilla_node::ControlClient::new(b.clone(), "shop").await.expect("control");
+    assert!(control.park("orders", "k1", true).await.is_err(), "an ordered input's keys are not parked");
+    control.park("refunds", "k1", true).await.expect("park");
+    tokio::time::sleep(Duration::from_secs(4)).await; // the node's next scans see it
+    let producer = Producer::new(b.clone(), "shop").expect("producer");
+    for id in 0..6u64 {
+        let key = if id % 2 == 0 { "k1" } else { "k2" };
+        producer.send(&REFUNDS, key, Order { id, note: "refund".into() }).await.expect("send");
+    }
+    wait_count(&b, "FLOTILLA_shop_refunded", 3, Duration::from_secs(30)).await;
+    wait_count(&b, "FLOTILLA_shop_PARKED", 3, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(count(&b, "FLOTILLA_shop_refunded").await, 3, "k2 flowed, k1 waits");
+    let status = control.status().await.expect("status");
+    assert_eq!(status.parked_messages, 3, "{status:?}");
+    assert!(status.parked_keys.get("refunds").is_some_and(|k| k.contains("k1")));
+
+    let seq = control.step_key("refunds", "k1").await.expect("step");
+    wait_count(&b, "FLOTILLA_shop_refunded", 4, Duration::from_secs(30)).await;
+    assert_eq!(count(&b, "FLOTILLA_shop_PARKED").await, 2);
+    let moved = control.park("refunds", "k1", false).await.expect("unpark");
+    assert_eq!(moved, 2);
+    wait_count(&b, "FLOTILLA_shop_refunded", 6, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(count(&b, "FLOTILLA_shop_refunded").await, 6, "each refund once");
+    assert_eq!(count(&b, "FLOTILLA_shop_PARKED").await, 0);
+    assert!(seq > 0);
+    job.stop();
+    job.wait().await.expect("stop");
+}

@@ -68,6 +68,12 @@ pub fn dlq_stream(subjects: &Subjects) -> StreamSpec {
     StreamSpec::new(subjects.dlq_stream_name(), vec![subjects.dlq_all()], Retention::Limits)
 }
 
+/// The job's parked messages (queue inputs, `park --key`): Limits retention,
+/// `flotilla.<J>._parked.>`.
+pub fn parked_stream(subjects: &Subjects) -> StreamSpec {
+    StreamSpec::new(subjects.parked_stream_name(), vec![subjects.parked_all()], Retention::Limits)
+}
+
 /// The job's timer stream: one subject per timer, one message per subject, so
 /// re-arming a timer replaces it.
 pub fn timer_stream(subjects: &Subjects) -> StreamSpec {

@@ -104,6 +104,8 @@ pub struct MembershipSetup {
     pub shutdown_seen: u64,
     /// Tells the node process why it left.
     pub left: tokio::sync::watch::Sender<Option<LeaveReason>>,
+    /// The parked keys the node's queue workers check (kept current from CONTROL).
+    pub parked: crate::task::ParkedKeys,
 }
 
 impl std::fmt::Debug for MembershipSetup {
@@ -136,6 +138,7 @@ struct View {
     drained: BTreeSet<Part>,
     /// Partitions at their end of stream in this node's run.
     ended: BTreeSet<Part>,
+    parked: cluster::ParkedRecord,
     shutdown: Option<KvEntry>,
     stop: bool,
 }
@@ -274,9 +277,13 @@ impl Membership {
                     .unwrap_or_default(),
                 None => BTreeSet::new(),
             };
+            let parked = match broker.kv_get(&b.control, keys::PARKED).await? {
+                Some(e) => serde_json::from_slice::<cluster::ParkedRecord>(&e.value).unwrap_or_default(),
+                None => cluster::ParkedRecord::default(),
+            };
             let shutdown = broker.kv_get(&b.control, keys::SHUTDOWN).await?;
             let stop = broker.kv_get(&b.control, &keys::stop(&node)).await?.is_some();
-            Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, ended, shutdown, stop })
+            Ok::<_, BrokerError>(View { started, leases, nodes, paused, drain, drained, ended, parked, shutdown, stop })
         };
         ctx.spawn(fut.into_actor(self).map(move |view, act, ctx| {
             act.scanning = false;
@@ -329,6 +336,7 @@ impl Membership {
         }
         self.drain = view.drain.clone();
         self.drained = view.drained.clone();
+        self.s.parked.set(view.parked.keys.clone());
         // What this node recorded may not be in the view yet.
         self.ended.extend(view.ended.iter().cloned());
         if let Some(e) = &view.shutdown

@@ -55,7 +55,7 @@ use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
-use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass};
+use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
 use rustc_hash::FxHashMap;
@@ -819,7 +819,9 @@ impl<T: Task> TaskWorker<T> {
                         continue;
                     }
                     let delivered = self.inflight.get(&p.order).map_or(1, |e| e.delivery.info.delivered);
-                    if !self.binding.ordered() && delivered > 1 {
+                    if !self.binding.ordered() && self.key_parked(p.order) {
+                        self.park(p.order, ctx);
+                    } else if !self.binding.ordered() && delivered > 1 {
                         self.count_releases(p.order, seq, delivered, ctx);
                     } else if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
                         self.count_suspect(p.order, seq, ctx);
@@ -838,6 +840,49 @@ impl<T: Task> TaskWorker<T> {
                 Op::NoOp => return,
             }
         }
+    }
+
+    /// Whether the queue message at `order` has a parked key (and was not let through
+    /// by `step --key`).
+    fn key_parked(&self, order: u64) -> bool {
+        let Some(e) = self.inflight.get(&order) else { return false };
+        let h = &e.delivery.headers;
+        h.get(headers::STEP).is_none()
+            && h.get(headers::KEY).is_some_and(|key| self.env.parked.is_parked(self.binding.stream, key))
+    }
+
+    /// Sets a message of a parked key aside in the job's PARKED stream, with its
+    /// sequence (so it goes back in order), and takes it off the queue: others keep
+    /// flowing. It costs no attempt. If it cannot be stored it is handed back.
+    fn park(&mut self, order: u64, ctx: &mut Context<Self>) {
+        let Some(e) = self.inflight.get(&order) else { return };
+        let d = &e.delivery;
+        let Ok(stream) = flotilla_transport::wire::StreamName::new(self.binding.stream) else { return };
+        let mut out = OutboundMessage::new(self.env.subjects.parked(&stream), d.payload.clone());
+        out.headers = d.headers.clone();
+        out.headers.insert(headers::MSG_ID, format!("parked-{}-{}", d.info.stream, d.info.stream_seq));
+        out.headers.insert(headers::PARKED_SEQ, d.info.stream_seq.to_string());
+        let publish = self.env.broker.publish(out);
+        ctx.spawn(publish.into_actor(self).map(move |result, act, ctx| {
+            match result {
+                Ok(_) => {
+                    if let Some(e) = act.inflight.get(&order) {
+                        let token = e.delivery.token.clone();
+                        act.ack(&token, AckKind::Term);
+                        act.forget(order);
+                    }
+                }
+                Err(e) => {
+                    warn!(stream = act.binding.stream, error = %e, "could not park a message of a parked key: handing it back");
+                    if let Some(env) = act.inflight.get(&order) {
+                        let delivery = env.delivery.clone();
+                        act.forget(order);
+                        act.hand_back(&delivery, true);
+                    }
+                }
+            }
+            act.drive(ctx);
+        }));
     }
 
     /// A queue message delivered before: its attempt is its deliveries less the

@@ -39,6 +39,13 @@ pub const MISFIRE: &str = "Flotilla-Misfire";
 /// (it replaces the timer; the timer service drops it).
 pub const TIMER_CANCELLED: &str = "timer-cancelled";
 
+/// On a message of a parked key let through once (`step --key`): it runs although
+/// its key is parked.
+pub const STEP: &str = "Flotilla-Step";
+/// On a parked message: its sequence in the queue stream it came from (parked
+/// messages go back in this order).
+pub const PARKED_SEQ: &str = "Flotilla-Parked-Seq";
+
 /// Why a message was dead-lettered: a short code (`malformed`, `too-large`,
 /// `type-mismatch`, `unsupported-version`, `max-attempts`, `max-deliveries`, `handler`).
 pub const DLQ_REASON: &str = "Flotilla-Dlq-Reason";
@@ -57,7 +64,7 @@ pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 21] = [
+pub(crate) const KNOWN: [&str; 23] = [
     MSG_ID,
     KEY,
     KIND,
@@ -79,6 +86,8 @@ pub(crate) const KNOWN: [&str; 21] = [
     DLQ_ATTEMPTS,
     TIMER,
     MISFIRE,
+    STEP,
+    PARKED_SEQ,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a

@@ -83,6 +83,21 @@ impl Subjects {
         }
     }
 
+    /// `flotilla.<job>._parked.<stream>`: messages of parked keys of a queue input.
+    pub fn parked(&self, stream: &StreamName) -> String {
+        format!("flotilla.{}._parked.{}", self.job, stream)
+    }
+
+    /// `flotilla.<job>._parked.>`: every parked message of the job.
+    pub fn parked_all(&self) -> String {
+        format!("flotilla.{}._parked.>", self.job)
+    }
+
+    /// `FLOTILLA_<job>_PARKED`: the job's stream of parked messages.
+    pub fn parked_stream_name(&self) -> String {
+        format!("FLOTILLA_{}_PARKED", self.job)
+    }
+
     /// `flotilla.<job>._dlq.>`: all dead letters of the job.
     pub fn dlq_all(&self) -> String {
         format!("flotilla.{}._dlq.>", self.job)
