@@ -47,8 +47,11 @@ pub mod keys {
     /// The key holding the parked keys of queue inputs.
     pub const PARKED: &str = "parked";
 
-    /// The key recording which partitions reached their end of stream in a run.
-    pub const ENDED: &str = "ended";
+    /// The key recording that a partition reached its end of stream (or its task asked
+    /// to shut down) in a run.
+    pub fn ended(stream: &str, partition: u32) -> String {
+        format!("ended.{stream}.{partition}")
+    }
 
     /// The key recording that a partition is drained.
     pub fn drained(stream: &str, partition: u32) -> String {
@@ -208,14 +211,15 @@ pub struct RequestRecord {
     pub issued_ms: u64,
 }
 
-/// The partitions that processed an end-of-stream marker in a run: when every ordered
-/// partition of the job has, the run is over and every node leaves, as after a drain.
+/// A partition that processed an end-of-stream marker (or whose task asked to shut
+/// down) in a run: when every ordered partition of the job is ended or drained, the run
+/// is over and every node leaves.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct EndedRecord {
     /// The run.
     pub run_id: String,
-    /// The partitions, as `stream/partition`.
-    pub partitions: BTreeSet<String>,
+    /// The node that ended it.
+    pub node: String,
 }
 
 /// The keys parked on queue inputs: stream → keys.

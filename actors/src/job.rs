@@ -965,30 +965,26 @@ async fn run_drained(
     topology: &TopologyRecord,
     run: &str,
 ) -> Result<bool, JobError> {
-    // A run whose every partition reached its end of stream is over too.
-    if let Some(e) = broker.kv_get(&b.control, keys::ENDED).await?
-        && let Ok(ended) = serde_json::from_slice::<crate::cluster::EndedRecord>(&e.value)
-        && ended.run_id == run
-    {
-        let parts = topology.partitions();
-        if !parts.is_empty() && parts.iter().all(|(s, p)| ended.partitions.contains(&format!("{s}/{p}"))) {
-            return Ok(true);
-        }
-    }
-    let Some(drain) = broker.kv_get(&b.control, keys::DRAIN).await? else { return Ok(false) };
-    if serde_json::from_slice::<RequestRecord>(&drain.value).map_or(true, |d| d.run_id != run) {
-        return Ok(false);
-    }
     let parts = topology.partitions();
     if parts.is_empty() {
         return Ok(false);
     }
+    // Drained partitions count only when a drain of the run was asked.
+    let drain_asked = match broker.kv_get(&b.control, keys::DRAIN).await? {
+        Some(d) => serde_json::from_slice::<RequestRecord>(&d.value).is_ok_and(|d| d.run_id == run),
+        None => false,
+    };
     for (stream, p) in parts {
-        let done = match broker.kv_get(&b.control, &keys::drained(&stream, p)).await? {
-            Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+        let ended = match broker.kv_get(&b.control, &keys::ended(&stream, p)).await? {
+            Some(e) => serde_json::from_slice::<crate::cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
             None => false,
         };
-        if !done {
+        let drained = drain_asked
+            && match broker.kv_get(&b.control, &keys::drained(&stream, p)).await? {
+                Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                None => false,
+            };
+        if !ended && !drained {
             return Ok(false);
         }
     }

@@ -236,6 +236,11 @@ impl ParkedKeys {
         self.0.any.store(any, std::sync::atomic::Ordering::Release);
     }
 
+    /// Whether any key is parked (one atomic load).
+    pub fn any(&self) -> bool {
+        self.0.any.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Whether `key` of queue input `stream` is parked.
     pub fn is_parked(&self, stream: &str, key: &str) -> bool {
         self.0.any.load(std::sync::atomic::Ordering::Acquire)
@@ -478,7 +483,10 @@ pub enum Misfire {
     /// Fire once, however late (the default).
     #[default]
     FireLate,
-    /// Skip it when it would fire more than this late.
+    /// Skip it when it comes due more than this late. Lateness is judged when the
+    /// node's timer service takes it from the timer stream (normally within a second of
+    /// its time; up to 5 s after a server restart), not when the partition runs it; so
+    /// give more than a few seconds.
     SkipIfLateBy(Duration),
 }
 

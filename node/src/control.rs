@@ -532,9 +532,16 @@ impl ControlClient {
         let parts = topology.partitions();
         let mut drained = 0;
         for (stream, p) in &parts {
-            if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
-                && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run)
-            {
+            let drained_here = match self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await? {
+                Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                None => false,
+            };
+            // An ended partition never reaches a drain marker: it counts as done.
+            let ended_here = match self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await? {
+                Some(e) => serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                None => false,
+            };
+            if drained_here || ended_here {
                 drained += 1;
             }
         }
@@ -644,6 +651,11 @@ impl ControlClient {
                 if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
                     && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
                 {
+                    done.insert((stream.clone(), *p));
+                } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
+                    && serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                {
+                    // Ended in this run: no marker will be reached there.
                     done.insert((stream.clone(), *p));
                 }
             }
@@ -882,8 +894,12 @@ impl ControlClient {
         }
         let mut moved = self.send_back(stream, key, usize::MAX).await?;
         self.change_parked(stream, key, false).await?;
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        moved += self.send_back(stream, key, usize::MAX).await?;
+        // Nodes see the change at their next scans; what one parked meanwhile goes back
+        // too. (`status` counts messages still set aside; `unpark` again sends them.)
+        for wait in [3, 10] {
+            tokio::time::sleep(Duration::from_secs(wait)).await;
+            moved += self.send_back(stream, key, usize::MAX).await?;
+        }
         Ok(moved)
     }
 
@@ -974,14 +990,26 @@ impl ControlClient {
         let name = StreamName::new(stream.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
         let parked_stream = self.subjects.parked_stream_name();
         let mut moved = 0;
-        for (_, m) in self.parked_messages(stream, key).await?.into_iter().take(limit) {
+        let mut last_from = None;
+        for (from, m) in self.parked_messages(stream, key).await? {
+            // The same queue message parked twice (its first term was lost): send it once.
+            if last_from == Some(from) {
+                self.broker.delete_message(&parked_stream, m.seq).await?;
+                continue;
+            }
+            if moved == limit {
+                break;
+            }
+            last_from = Some(from);
             let mut out = OutboundMessage::new(self.subjects.queue(&name), m.payload.clone());
             for (k, v) in m.headers.iter() {
                 if k != headers::PARKED_SEQ && k != headers::MSG_ID {
                     out.headers.append(k.to_owned(), v.to_owned());
                 }
             }
-            out.headers.insert(headers::MSG_ID, format!("unparked-{}-{}", self.job, m.seq));
+            // One id per queue message set aside: sending it back again (a delete that
+            // failed) within the duplicate window stores it once.
+            out.headers.insert(headers::MSG_ID, format!("unparked-{}-{stream}-{from}", self.job));
             out.headers.insert(headers::STEP, "1");
             self.broker.publish(out).await?;
             self.broker.delete_message(&parked_stream, m.seq).await?;

@@ -326,6 +326,8 @@ impl Container {
         slot.outstanding = 0;
         slot.finished = false;
         slot.stopping = false;
+        // A shutdown request belonged to the worker that made it.
+        slot.asked_to_end = false;
     }
 
     /// Starts claims for every slot with room.

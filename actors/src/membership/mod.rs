@@ -269,14 +269,17 @@ impl Membership {
                     }
                 }
             }
-            let ended = match broker.kv_get(&b.control, keys::ENDED).await? {
-                Some(e) => serde_json::from_slice::<EndedRecord>(&e.value)
-                    .ok()
-                    .filter(|r| r.run_id == run_id)
-                    .map(|r| r.partitions.iter().filter_map(|p| parse_part(p)).collect())
-                    .unwrap_or_default(),
-                None => BTreeSet::new(),
-            };
+            // Only a partition nobody holds can be ended: read those.
+            let unleased: Vec<&Part> = leases.iter().filter(|(_, l)| l.is_none()).map(|(p, _)| p).collect();
+            let reads = unleased.iter().map(|(s, p)| broker.kv_get(&b.control, &keys::ended(s, *p)));
+            let mut ended = BTreeSet::new();
+            for (part, entry) in unleased.iter().zip(futures::future::join_all(reads).await) {
+                if entry?
+                    .is_some_and(|e| serde_json::from_slice::<EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run_id))
+                {
+                    ended.insert((*part).clone());
+                }
+            }
             let parked = match broker.kv_get(&b.control, keys::PARKED).await? {
                 Some(e) => serde_json::from_slice::<cluster::ParkedRecord>(&e.value).unwrap_or_default(),
                 None => cluster::ParkedRecord::default(),
@@ -355,8 +358,8 @@ impl Membership {
             && self.leaving.is_none()
         {
             let all = self.partitions();
-            if !all.is_empty() && all.iter().all(|p| self.drained.contains(p)) {
-                info!(run = %d.run_id, "every partition is drained: the run is over, leaving");
+            if !all.is_empty() && all.iter().all(|p| self.drained.contains(p) || self.ended.contains(p)) {
+                info!(run = %d.run_id, "every partition is drained (or ended): the run is over, leaving");
                 self.leave(LeaveReason::Drained, ctx);
             }
         }
@@ -942,8 +945,12 @@ impl Handler<SlotEnded> for Membership {
             // this run; the last one ends the run.
             info!(stream = %part.0, partition = part.1, "partition reached its end of stream");
             self.ended.insert(part.clone());
-            let record =
-                record_ended(self.s.broker.clone(), self.buckets.control.clone(), self.s.run_id.clone(), &part);
+            let record = record_ended(
+                self.s.broker.clone(),
+                self.buckets.control.clone(),
+                EndedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() },
+                &part,
+            );
             let del = self.held.get(&part).map(|h| h.revision);
             let broker = self.s.broker.clone();
             let bucket = self.buckets.leases.clone();
@@ -989,47 +996,29 @@ impl Handler<SlotEnded> for Membership {
     }
 }
 
-/// `stream/partition` back into a partition.
-fn parse_part(text: &str) -> Option<Part> {
-    let (stream, p) = text.rsplit_once('/')?;
-    Some((stream.to_owned(), p.parse().ok()?))
-}
-
-/// Adds `part` to the run's end-of-stream record, by compare-and-set (other nodes add
-/// theirs at the same time). A record of another run is replaced.
+/// Stores that `part` ended, retrying passing failures for up to a minute: until it is
+/// stored, other nodes would take the partition up again.
 fn record_ended(
     broker: SharedBroker,
     bucket: String,
-    run_id: String,
+    record: EndedRecord,
     part: &Part,
 ) -> impl std::future::Future<Output = Result<(), BrokerError>> + 'static {
-    let name = format!("{}/{}", part.0, part.1);
+    let key = keys::ended(&part.0, part.1);
+    let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
     async move {
-        for _ in 0..20 {
-            let entry = broker.kv_get(&bucket, keys::ENDED).await?;
-            let mut record = entry
-                .as_ref()
-                .and_then(|e| serde_json::from_slice::<EndedRecord>(&e.value).ok())
-                .filter(|r| r.run_id == run_id)
-                .unwrap_or_else(|| EndedRecord { run_id: run_id.clone(), partitions: BTreeSet::new() });
-            if !record.partitions.insert(name.clone()) {
-                return Ok(());
-            }
-            let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-            let written = match &entry {
-                Some(e) => broker.kv_update(&bucket, keys::ENDED, value, e.revision).await,
-                None => broker.kv_create(&bucket, keys::ENDED, value).await,
-            };
-            match written {
+        let started = Instant::now();
+        let mut tries = 0;
+        loop {
+            match broker.kv_put(&bucket, &key, value.clone()).await {
                 Ok(_) => return Ok(()),
-                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                Err(e) if e.is_transient() && started.elapsed() < std::time::Duration::from_secs(60) => {
+                    tries += 1;
+                    tokio::time::sleep(flotilla_transport::jetstream::reconnect_delay(tries)).await;
+                }
                 Err(e) => return Err(e),
             }
         }
-        Err(BrokerError::Other {
-            operation: "record an end of stream".into(),
-            reason: "the record kept changing".into(),
-        })
     }
 }
 

@@ -279,6 +279,8 @@ pub struct TaskWorker<T: Task> {
     /// is stored.
     lane: Option<(u64, tokio::sync::OwnedSemaphorePermit)>,
     retries: VecDeque<u64>,
+    /// Queue hand-backs on their way (release count, then nak).
+    releases: Vec<tokio::task::JoinHandle<()>>,
     due_timers: Vec<String>,
     stopping: bool,
     finished: bool,
@@ -344,6 +346,7 @@ impl<T: Task> TaskWorker<T> {
             suspects,
             lane: None,
             retries: VecDeque::new(),
+            releases: Vec::new(),
             due_timers: Vec::new(),
             stopping: false,
             finished: false,
@@ -845,6 +848,9 @@ impl<T: Task> TaskWorker<T> {
     /// Whether the queue message at `order` has a parked key (and was not let through
     /// by `step --key`).
     fn key_parked(&self, order: u64) -> bool {
+        if !self.env.parked.any() {
+            return false;
+        }
         let Some(e) = self.inflight.get(&order) else { return false };
         let h = &e.delivery.headers;
         h.get(headers::STEP).is_none()
@@ -860,18 +866,26 @@ impl<T: Task> TaskWorker<T> {
         let Ok(stream) = flotilla_transport::wire::StreamName::new(self.binding.stream) else { return };
         let mut out = OutboundMessage::new(self.env.subjects.parked(&stream), d.payload.clone());
         out.headers = d.headers.clone();
+        if out.headers.get(headers::ORIGIN_ID).is_none()
+            && let Some(id) = d.headers.msg_id()
+        {
+            out.headers.insert(headers::ORIGIN_ID, id.to_owned());
+        }
+        // The same message parked again (its term was lost) is dropped as a duplicate.
         out.headers.insert(headers::MSG_ID, format!("parked-{}-{}", d.info.stream, d.info.stream_seq));
         out.headers.insert(headers::PARKED_SEQ, d.info.stream_seq.to_string());
-        let publish = self.env.broker.publish(out);
-        ctx.spawn(publish.into_actor(self).map(move |result, act, ctx| {
+        let broker = self.env.broker.clone();
+        let token = d.token.clone();
+        let stored = async move {
+            broker.publish(out).await?;
+            if let Err(e) = broker.ack_confirmed(&token, AckKind::Term).await {
+                debug!(error = %e, "parked message not taken off the queue: it comes again and is parked again (once)");
+            }
+            Ok::<(), BrokerError>(())
+        };
+        ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| {
             match result {
-                Ok(_) => {
-                    if let Some(e) = act.inflight.get(&order) {
-                        let token = e.delivery.token.clone();
-                        act.ack(&token, AckKind::Term);
-                        act.forget(order);
-                    }
-                }
+                Ok(()) => act.forget(order),
                 Err(e) => {
                     warn!(stream = act.binding.stream, error = %e, "could not park a message of a parked key: handing it back");
                     if let Some(env) = act.inflight.get(&order) {
@@ -895,14 +909,28 @@ impl<T: Task> TaskWorker<T> {
         let key = released::key(self.binding.stream, seq);
         let fut = async move { released::count(&broker, &bucket, &key).await };
         ctx.spawn(fut.into_actor(self).map(move |count, act, ctx| {
-            let released = count.unwrap_or_else(|e| {
-                debug!(stream = act.binding.stream, seq, error = %e, "hand-backs not read: counting every delivery as an attempt");
-                0
-            });
-            let attempt = released::attempt(delivered, released);
+            let max = act.config.retry.max_attempts;
+            let (released, known) = match count {
+                Ok(n) => (n, true),
+                Err(e) => {
+                    debug!(stream = act.binding.stream, seq, error = %e, "hand-backs not read: running it on its last attempt");
+                    (0, false)
+                }
+            };
+            // Unknown hand-backs: run it (as its last attempt at most), never dead-letter it unread.
+            let attempt = if known { released::attempt(delivered, released) } else { released::attempt(delivered, 0).min(max) };
+            if act.stopping {
+                // A stop came while the count was read: hand it back unstarted.
+                if let Some(e) = act.inflight.get(&order) {
+                    let delivery = e.delivery.clone();
+                    act.forget(order);
+                    act.hand_back(&delivery, true);
+                }
+                act.drive(ctx);
+                return;
+            }
             let Some(envelope) = act.inflight.get_mut(&order) else { return };
             envelope.attempt = attempt;
-            let max = act.config.retry.max_attempts;
             if attempt > max {
                 act.dead_letter(
                     order,
@@ -1092,7 +1120,8 @@ impl<T: Task> TaskWorker<T> {
         let Some(envelope) = self.inflight.get(&order) else { return };
         let d = &envelope.delivery;
         let meta = MessageMeta {
-            id: match d.headers.get_text(headers::MSG_ID) {
+            // A message that was parked keeps the id it had.
+            id: match d.headers.get_text(headers::ORIGIN_ID).or_else(|| d.headers.get_text(headers::MSG_ID)) {
                 Some(id) => MessageId::from_header(id),
                 None => MessageId::from_wire(format!("{}-{}", d.info.stream, d.info.stream_seq)),
             },
@@ -1664,15 +1693,17 @@ impl<T: Task> TaskWorker<T> {
         let bucket = self.env.subjects.bucket_name(RELEASED);
         let key = released::key(self.binding.stream, d.info.stream_seq);
         let token = d.token.clone();
-        // Not tied to this actor: a stop ends it before the count is stored.
-        actix::spawn(async move {
+        // Not tied to this actor (a stop ends it before the count is stored), and
+        // awaited before the worker reports its end, so the process does not exit first.
+        self.releases.retain(|h| !h.is_finished());
+        self.releases.push(actix::spawn(async move {
             if let Err(e) = released::record(&broker, &bucket, &key).await {
                 debug!(error = %e, %key, "release not counted: the next delivery counts as an attempt");
             }
             if let Err(e) = broker.ack(&token, kind).await {
                 debug!(error = %e, %key, "hand-back not sent: the message comes again after its ack-wait");
             }
-        });
+        }));
     }
 
     /// Naks every message held and not finished, without delay; `interrupted` when
@@ -1720,17 +1751,26 @@ impl<T: Task> TaskWorker<T> {
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
         let confirm = match (&self.last_commit, &outcome) {
-            (Some(token), Outcome::Stopped | Outcome::Drained | Outcome::Resync(_)) if !self.binding.fenced() => {
+            (Some(token), Outcome::Stopped | Outcome::Drained | Outcome::EndOfStream | Outcome::Resync(_))
+                if !self.binding.fenced() =>
+            {
                 Some(self.env.broker.ack_confirmed(token, AckKind::Ack))
             }
             _ => None,
         };
         let flush = self.env.broker.flush();
+        let releases = std::mem::take(&mut self.releases);
         let (stream, partition) = (self.binding.stream, self.binding.partition);
         let report = WorkerReport::Finished { slot: self.binding.slot, outcome };
         let container = self.container.clone();
         ctx.spawn(
             async move {
+                // Hand-backs counted and sent first: the process may exit once it hears.
+                if !releases.is_empty()
+                    && tokio::time::timeout(Duration::from_secs(5), futures::future::join_all(releases)).await.is_err()
+                {
+                    warn!(stream, "hand-backs still unsent after 5 s: those messages come again after their ack-wait");
+                }
                 let _ = flush.await;
                 if let Some(confirm) = confirm
                     && let Err(e) = confirm.await

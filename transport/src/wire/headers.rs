@@ -45,6 +45,9 @@ pub const STEP: &str = "Flotilla-Step";
 /// On a parked message: its sequence in the queue stream it came from (parked
 /// messages go back in this order).
 pub const PARKED_SEQ: &str = "Flotilla-Parked-Seq";
+/// On a message that was parked: its `Nats-Msg-Id` before (the id its task sees, so
+/// its outputs keep the ids they would have had).
+pub const ORIGIN_ID: &str = "Flotilla-Origin-Id";
 
 /// Why a message was dead-lettered: a short code (`malformed`, `too-large`,
 /// `type-mismatch`, `unsupported-version`, `max-attempts`, `max-deliveries`, `handler`).
@@ -64,7 +67,7 @@ pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 23] = [
+pub(crate) const KNOWN: [&str; 24] = [
     MSG_ID,
     KEY,
     KIND,
@@ -88,6 +91,7 @@ pub(crate) const KNOWN: [&str; 23] = [
     MISFIRE,
     STEP,
     PARKED_SEQ,
+    ORIGIN_ID,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a
