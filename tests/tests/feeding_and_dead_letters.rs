@@ -428,3 +428,26 @@ async fn a_parked_key_waits_while_others_flow_and_step_and_unpark_let_it_through
     job.stop();
     job.wait().await.expect("stop");
 }
+
+/// A drain after some partitions ended counts them as done: it completes and the node
+/// leaves (an ended partition never reaches a drain marker).
+#[actix_rt::test]
+async fn a_drain_after_some_partitions_ended_completes() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let job = Job::new("shop")
+        .task(IN, |_| Ship { fixed: Rc::new(Cell::new(true)) })
+        .output(OUT)
+        .start_node(b.clone(), "n1", flotilla_actors::cluster::ClusterConfig::default())
+        .await
+        .expect("node");
+    for p in 0..2 {
+        let marker = OutboundMessage::new(format!("flotilla.shop.orders.{p}"), bytes::Bytes::new())
+            .with_id(format!("eos-{p}"))
+            .with_header(flotilla_transport::wire::headers::KIND, "end-of-stream");
+        b.publish(marker).await.expect("marker");
+    }
+    let control = flotilla_node::ControlClient::new(b.clone(), "shop").await.expect("control");
+    control.drain(None, Duration::from_secs(60), false).await.expect("the drain completes");
+    tokio::time::timeout(Duration::from_secs(30), job.wait()).await.expect("the node leaves").expect("cleanly");
+}
