@@ -1189,15 +1189,20 @@ pub async fn run_command_typed(
             .map(|node| crate::outln!("stepped {stream}/{partition} on node {node}")),
         ControlCommand::Dlq { .. } => unreachable!("handled above"),
     };
+    exit_code(result)
+}
+
+/// Prints a command's error, if any, and returns its exit code: 0 done, 2 refused (bad
+/// input, unknown job), 1 not done (the broker failed, or the goal was not reached).
+pub fn exit_code(result: Result<(), ControlError>) -> i32 {
     match result {
         Ok(()) => 0,
-        Err(e @ (ControlError::Refused(_) | ControlError::UnknownJob(_))) => {
-            eprintln!("error: {e}");
-            2
-        }
         Err(e) => {
             eprintln!("error: {e}");
-            1
+            match e {
+                ControlError::Refused(_) | ControlError::UnknownJob(_) => 2,
+                ControlError::Broker(_) | ControlError::Incomplete(_) => 1,
+            }
         }
     }
 }

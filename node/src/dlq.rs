@@ -10,6 +10,7 @@
 //! id — within the target stream's duplicate window (2 minutes). A replay interrupted
 //! there and run again later than that sends the entry a second time.
 
+use crate::control::ControlError;
 use flotilla_actors::StreamType;
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StoredMessage};
 use flotilla_transport::clock::unix_millis;
@@ -177,20 +178,6 @@ impl DeadLetterEntry {
     }
 }
 
-/// Why a DLQ command failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DlqError {
-    /// Bad input; the message says what to fix.
-    #[error("{0}")]
-    Input(String),
-    /// The broker failed.
-    #[error(transparent)]
-    Broker(#[from] BrokerError),
-    /// Some entries could not be handled.
-    #[error("{0}")]
-    Incomplete(String),
-}
-
 /// The DLQ of one job.
 pub struct DeadLetters {
     broker: SharedBroker,
@@ -209,8 +196,8 @@ impl DeadLetters {
     ///
     /// # Errors
     /// A bad job name.
-    pub fn new(broker: SharedBroker, job: &str) -> Result<Self, DlqError> {
-        let subjects = Subjects::new(JobName::new(job).map_err(|e| DlqError::Input(e.to_string()))?);
+    pub fn new(broker: SharedBroker, job: &str) -> Result<Self, ControlError> {
+        let subjects = Subjects::new(JobName::new(job).map_err(|e| ControlError::Refused(e.to_string()))?);
         let stream = subjects.dlq_stream_name();
         Ok(Self { broker, subjects, stream })
     }
@@ -218,17 +205,17 @@ impl DeadLetters {
     /// The entries matching the filters, oldest first, at most `limit`.
     ///
     /// # Errors
-    /// [`DlqError::Input`] when the job has no DLQ; broker failures.
+    /// [`ControlError::Input`] when the job has no DLQ; broker failures.
     pub async fn list(
         &self,
         stream: Option<&str>,
         reason: Option<&str>,
         limit: usize,
-    ) -> Result<Vec<DeadLetterEntry>, DlqError> {
+    ) -> Result<Vec<DeadLetterEntry>, ControlError> {
         let state = match self.broker.stream_state(&self.stream).await {
             Ok(s) => s,
             Err(BrokerError::StreamNotFound { .. }) => {
-                return Err(DlqError::Input(format!(
+                return Err(ControlError::Refused(format!(
                     "job {} has no dead-letter stream on this server: start a node of it first",
                     self.subjects.job()
                 )));
@@ -256,14 +243,14 @@ impl DeadLetters {
     /// One entry.
     ///
     /// # Errors
-    /// [`DlqError::Input`] when there is none with this id.
-    pub async fn get(&self, id: u64) -> Result<DeadLetterEntry, DlqError> {
+    /// [`ControlError::Input`] when there is none with this id.
+    pub async fn get(&self, id: u64) -> Result<DeadLetterEntry, ControlError> {
         if id == 0 {
-            return Err(DlqError::Input("dead-letter ids start at 1: `dlq list` shows them".into()));
+            return Err(ControlError::Refused("dead-letter ids start at 1: `dlq list` shows them".into()));
         }
         match self.broker.get_message(&self.stream, id).await {
             Ok(Some(m)) => Ok(DeadLetterEntry::from_stored(m)),
-            Ok(None) | Err(BrokerError::StreamNotFound { .. }) => Err(DlqError::Input(format!(
+            Ok(None) | Err(BrokerError::StreamNotFound { .. }) => Err(ControlError::Refused(format!(
                 "no dead letter {id} in job {}: `dlq list` shows the ids",
                 self.subjects.job()
             ))),
@@ -278,12 +265,12 @@ impl DeadLetters {
         all: bool,
         stream: Option<&str>,
         reason: Option<&str>,
-    ) -> Result<Vec<DeadLetterEntry>, DlqError> {
+    ) -> Result<Vec<DeadLetterEntry>, ControlError> {
         if all {
             return self.list(stream, reason, usize::MAX).await;
         }
         if ids.is_empty() {
-            return Err(DlqError::Input("name the entries (ids from `dlq list`) or give --all".into()));
+            return Err(ControlError::Refused("name the entries (ids from `dlq list`) or give --all".into()));
         }
         let mut out = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -295,7 +282,7 @@ impl DeadLetters {
     /// Replays entries (see the module docs); returns how many were sent back.
     ///
     /// # Errors
-    /// [`DlqError::Incomplete`] naming those that failed.
+    /// [`ControlError::Incomplete`] naming those that failed.
     pub async fn replay(
         &self,
         ids: &[u64],
@@ -303,16 +290,56 @@ impl DeadLetters {
         stream: Option<&str>,
         reason: Option<&str>,
         progress: bool,
-    ) -> Result<usize, DlqError> {
+    ) -> Result<usize, ControlError> {
         let entries = self.select(ids, all, stream, reason).await?;
-        let mut meter = Progress::new("replayed", entries.len(), progress);
+        self.each(&entries, "replayed", progress, async |entry| {
+            let msg = entry.replay_message(&self.subjects)?;
+            self.broker.publish(msg).await.map_err(|e| e.to_string())?;
+            self.broker
+                .delete_message(&self.stream, entry.id)
+                .await
+                .map_err(|e| format!("sent back, but not removed: {e}"))?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Deletes entries; returns how many.
+    ///
+    /// # Errors
+    /// [`ControlError::Incomplete`] naming those that failed.
+    pub async fn purge(
+        &self,
+        ids: &[u64],
+        all: bool,
+        stream: Option<&str>,
+        reason: Option<&str>,
+        progress: bool,
+    ) -> Result<usize, ControlError> {
+        let entries = self.select(ids, all, stream, reason).await?;
+        self.each(&entries, "purged", progress, async |entry| {
+            match self.broker.delete_message(&self.stream, entry.id).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err("already gone".to_owned()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+    }
+
+    /// Runs `op` on every entry, with progress (`verb`) and a summary; the error names
+    /// the entries it failed for.
+    async fn each(
+        &self,
+        entries: &[DeadLetterEntry],
+        verb: &'static str,
+        progress: bool,
+        op: impl AsyncFn(&DeadLetterEntry) -> Result<(), String>,
+    ) -> Result<usize, ControlError> {
+        let mut meter = Progress::new(verb, entries.len(), progress);
         let mut failed = Vec::new();
-        for entry in &entries {
-            let result = match entry.replay_message(&self.subjects) {
-                Ok(msg) => self.send_back(msg, entry.id).await,
-                Err(e) => Err(e),
-            };
-            match result {
+        for entry in entries {
+            match op(entry).await {
                 Ok(()) => meter.done(),
                 Err(e) => failed.push(format!("{}: {e}", entry.id)),
             }
@@ -321,49 +348,8 @@ impl DeadLetters {
         if failed.is_empty() {
             Ok(entries.len())
         } else {
-            Err(DlqError::Incomplete(format!(
-                "{} of {} not replayed: {}",
-                failed.len(),
-                entries.len(),
-                failed.join("; ")
-            )))
-        }
-    }
-
-    async fn send_back(&self, msg: OutboundMessage, id: u64) -> Result<(), String> {
-        self.broker.publish(msg).await.map_err(|e| e.to_string())?;
-        self.broker.delete_message(&self.stream, id).await.map_err(|e| format!("sent back, but not removed: {e}"))?;
-        Ok(())
-    }
-
-    /// Deletes entries; returns how many.
-    ///
-    /// # Errors
-    /// [`DlqError::Incomplete`] naming those that failed.
-    pub async fn purge(
-        &self,
-        ids: &[u64],
-        all: bool,
-        stream: Option<&str>,
-        reason: Option<&str>,
-        progress: bool,
-    ) -> Result<usize, DlqError> {
-        let entries = self.select(ids, all, stream, reason).await?;
-        let mut meter = Progress::new("purged", entries.len(), progress);
-        let mut failed = Vec::new();
-        for entry in &entries {
-            match self.broker.delete_message(&self.stream, entry.id).await {
-                Ok(true) => meter.done(),
-                Ok(false) => failed.push(format!("{}: already gone", entry.id)),
-                Err(e) => failed.push(format!("{}: {e}", entry.id)),
-            }
-        }
-        meter.finish(&failed);
-        if failed.is_empty() {
-            Ok(entries.len())
-        } else {
-            Err(DlqError::Incomplete(format!(
-                "{} of {} not purged: {}",
+            Err(ControlError::Incomplete(format!(
+                "{} of {} not {verb}: {}",
                 failed.len(),
                 entries.len(),
                 failed.join("; ")
@@ -452,17 +438,7 @@ pub async fn run(broker: SharedBroker, job: &str, command: DlqCommand, types: &[
             dlq.purge(&ids, all, stream.as_deref(), reason.as_deref(), true).await.map(drop)
         }
     };
-    match result {
-        Ok(()) => 0,
-        Err(e @ DlqError::Input(_)) => {
-            eprintln!("error: {e}");
-            2
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    }
+    crate::control::exit_code(result)
 }
 
 fn print_list(entries: &[DeadLetterEntry], json: bool) {

@@ -11,6 +11,7 @@
 //! or, for `flotilla`, from the stream on the server; a partition the stream does not
 //! have is refused before anything is sent.
 
+use crate::control::ControlError;
 use flotilla_actors::cluster::{TopologyRecord, keys};
 use flotilla_actors::membership::Buckets;
 use flotilla_actors::store::{hex, unhex};
@@ -65,20 +66,6 @@ pub struct PublishArgs {
     pub headers: Vec<String>,
 }
 
-/// Why a publish did not happen.
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    /// The input is wrong; the message says how.
-    #[error("{0}")]
-    Input(String),
-    /// The broker failed.
-    #[error(transparent)]
-    Broker(#[from] BrokerError),
-    /// Some records were not stored; the message says how many were.
-    #[error("{0}")]
-    Incomplete(String),
-}
-
 /// One record to send, before it becomes a message.
 #[derive(Debug, Clone, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,16 +92,16 @@ enum Layout {
 /// are the streams the calling binary knows (none for `flotilla`).
 ///
 /// # Errors
-/// [`PublishError`] for bad input (nothing sent) or a broker failure.
+/// [`ControlError`] for bad input (nothing sent) or a broker failure.
 pub async fn publish(
     broker: &SharedBroker,
     job: &str,
     args: &PublishArgs,
     types: &[StreamType],
     replicas: usize,
-) -> Result<u64, PublishError> {
-    let subjects = Subjects::new(JobName::new(job).map_err(|e| PublishError::Input(e.to_string()))?);
-    let stream = StreamName::new(args.stream.clone()).map_err(|e| PublishError::Input(e.to_string()))?;
+) -> Result<u64, ControlError> {
+    let subjects = Subjects::new(JobName::new(job).map_err(|e| ControlError::Refused(e.to_string()))?);
+    let stream = StreamName::new(args.stream.clone()).map_err(|e| ControlError::Refused(e.to_string()))?;
     let known = types.iter().find(|t| t.stream == args.stream);
     let layout = match known {
         Some(t) => {
@@ -138,9 +125,9 @@ pub async fn publish(
     for (n, line) in lines.into_iter().enumerate() {
         let at = |problem: String| {
             if args.jsonl.is_some() {
-                PublishError::Input(format!("line {}: {problem}", n + 1))
+                ControlError::Refused(format!("line {}: {problem}", n + 1))
             } else {
-                PublishError::Input(problem)
+                ControlError::Refused(problem)
             }
         };
         msgs.push(message(&subjects, &stream, &layout, known, &codec, args, line).map_err(at)?);
@@ -148,13 +135,13 @@ pub async fn publish(
     let started = Instant::now();
     let total = msgs.len() as u64;
     let producer = flotilla_actors::Producer::new(broker.clone(), job)
-        .map_err(|e| PublishError::Input(e.to_string()))?
+        .map_err(|e| ControlError::Refused(e.to_string()))?
         .with_replicas(replicas);
     let sent = producer.send_messages(msgs, matches!(layout, Layout::Ordered(_))).await.map_err(|e| match e {
-        flotilla_actors::ProducerError::Broker { .. } => PublishError::Incomplete(format!(
+        flotilla_actors::ProducerError::Broker { .. } => ControlError::Incomplete(format!(
             "{e}; records with ids of their own (--id, \"id\") can be published again as they are, the others would be stored twice"
         )),
-        e => PublishError::Input(e.to_string()),
+        e => ControlError::Refused(e.to_string()),
     })?;
     let duplicates = sent.iter().filter(|s| s.duplicate).count() as u64;
     let stored = total - duplicates;
@@ -173,12 +160,12 @@ async fn layout_on_server(
     broker: &SharedBroker,
     subjects: &Subjects,
     stream: &StreamName,
-) -> Result<Layout, PublishError> {
+) -> Result<Layout, ControlError> {
     let name = subjects.stream_name(stream);
     let state = match broker.stream_state(&name).await {
         Ok(s) => s,
         Err(BrokerError::StreamNotFound { .. }) => {
-            return Err(PublishError::Input(format!(
+            return Err(ControlError::Refused(format!(
                 "stream {stream} of job {} does not exist on this server: start a node of the job (it creates its streams) or publish with the job's binary",
                 subjects.job()
             )));
@@ -201,21 +188,21 @@ async fn layout_on_server(
     {
         return Ok(Layout::Ordered(partitions));
     }
-    Err(PublishError::Input(format!(
+    Err(ControlError::Refused(format!(
         "stream {stream} takes {:?}, and the job does not say how many partitions it has: publish with the job's binary",
         state.subjects
     )))
 }
 
-fn read_lines(args: &PublishArgs) -> Result<Vec<Line>, PublishError> {
-    let read = |path: &PathBuf| -> Result<Vec<u8>, PublishError> {
+fn read_lines(args: &PublishArgs) -> Result<Vec<Line>, ControlError> {
+    let read = |path: &PathBuf| -> Result<Vec<u8>, ControlError> {
         if path.as_os_str() == "-" {
             let mut buf = Vec::new();
             std::io::Read::read_to_end(&mut std::io::stdin(), &mut buf)
-                .map_err(|e| PublishError::Input(format!("cannot read standard input: {e}")))?;
+                .map_err(|e| ControlError::Refused(format!("cannot read standard input: {e}")))?;
             Ok(buf)
         } else {
-            std::fs::read(path).map_err(|e| PublishError::Input(format!("cannot read {}: {e}", path.display())))
+            std::fs::read(path).map_err(|e| ControlError::Refused(format!("cannot read {}: {e}", path.display())))
         }
     };
     let one = |payload: Line| {
@@ -225,7 +212,8 @@ fn read_lines(args: &PublishArgs) -> Result<Vec<Line>, PublishError> {
         return one(Line { data: Some(data.clone()), ..Line::default() });
     }
     if let Some(json) = &args.json {
-        let value = serde_json::from_str(json).map_err(|e| PublishError::Input(format!("--json is not JSON: {e}")))?;
+        let value =
+            serde_json::from_str(json).map_err(|e| ControlError::Refused(format!("--json is not JSON: {e}")))?;
         return one(Line { value: Some(value), ..Line::default() });
     }
     if let Some(path) = &args.file {
@@ -233,22 +221,22 @@ fn read_lines(args: &PublishArgs) -> Result<Vec<Line>, PublishError> {
         return one(Line { hex: Some(hex(&bytes)), ..Line::default() });
     }
     let Some(path) = &args.jsonl else {
-        return Err(PublishError::Input("nothing to publish: give --data, --file, --json or --jsonl".into()));
+        return Err(ControlError::Refused("nothing to publish: give --data, --file, --json or --jsonl".into()));
     };
     if !args.key.is_empty() || args.id.is_some() || args.partition.is_some() {
-        return Err(PublishError::Input(
+        return Err(ControlError::Refused(
             "--key, --id and --partition are for one record: with --jsonl, give \"key\", \"id\" and \"partition\" on each line".into(),
         ));
     }
     let bytes = read(path)?;
     let mut lines = Vec::new();
     for (n, text) in bytes.lines().enumerate() {
-        let text = text.map_err(|e| PublishError::Input(format!("line {}: {e}", n + 1)))?;
+        let text = text.map_err(|e| ControlError::Refused(format!("line {}: {e}", n + 1)))?;
         if text.trim().is_empty() {
             continue;
         }
         let line: Line = serde_json::from_str(&text).map_err(|e| {
-            PublishError::Input(format!(
+            ControlError::Refused(format!(
                 "line {}: {e}; each line is an object with \"key\" and one of \"data\", \"hex\" or \"value\"",
                 n + 1
             ))

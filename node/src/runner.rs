@@ -401,17 +401,7 @@ pub fn control_typed(args: &NodeArgs, job: &str, command: ControlCommand, types:
 /// [`crate::publish`]); returns the exit code (0 sent, 1 broker failure, 2 bad input).
 pub fn publish(args: &NodeArgs, job: &str, publish: &crate::publish::PublishArgs, types: &[StreamType]) -> i32 {
     with_nats(args, "publish", move |broker, replicas| async move {
-        match crate::publish::publish(&broker, job, publish, types, replicas).await {
-            Ok(_) => 0,
-            Err(e @ crate::publish::PublishError::Input(_)) => {
-                eprintln!("error: {e}");
-                2
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                1
-            }
-        }
+        crate::control::exit_code(crate::publish::publish(&broker, job, publish, types, replicas).await.map(drop))
     })
 }
 
