@@ -213,14 +213,8 @@ pub struct RequestRecord {
 
 /// A partition that processed an end-of-stream marker (or whose task asked to shut
 /// down) in a run: when every ordered partition of the job is ended or drained, the run
-/// is over and every node leaves.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct EndedRecord {
-    /// The run.
-    pub run_id: String,
-    /// The node that ended it.
-    pub node: String,
-}
+/// is over and every node leaves. The same record as a drained partition's.
+pub type EndedRecord = DrainedRecord;
 
 /// The keys parked on queue inputs: stream → keys.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -540,3 +540,32 @@ fn build_flotilla() -> PathBuf {
     assert!(bin.is_file(), "{} was not built", bin.display());
     bin
 }
+
+/// Connects a JetStream broker to `server`.
+///
+/// # Panics
+/// When the server cannot be reached.
+pub async fn connect(server: &NatsServer) -> flotilla_transport::SharedBroker {
+    let opts = flotilla_transport::JetStreamOptions::new(server.url());
+    flotilla_transport::JetStreamBroker::connect(opts).await.expect("connect").shared()
+}
+
+/// Messages stored in `stream` now (0 when it does not exist).
+pub async fn count(b: &flotilla_transport::SharedBroker, stream: &str) -> u64 {
+    b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0)
+}
+
+/// Waits until `stream` holds at least `n` messages.
+///
+/// # Panics
+/// When it does not within `within`.
+pub async fn wait_count(b: &flotilla_transport::SharedBroker, stream: &str, n: u64, within: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if count(b, stream).await >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
+}

@@ -4,16 +4,15 @@
 
 use flotilla_actors::{Job, Producer, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::dlq::DeadLetters;
-use flotilla_tests::{NatsServer, flotilla_bin};
+use flotilla_tests::{NatsServer, connect, count, flotilla_bin, wait_count};
 use flotilla_transport::broker::{AckPolicy, BrokerError, ConsumerSpec, OutboundMessage, SharedBroker, StreamSpec};
 use flotilla_transport::wire::Codec;
-use flotilla_transport::{JetStreamBroker, JetStreamOptions};
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Order {
@@ -37,25 +36,6 @@ impl Task for Ship {
         }
         ctx.send(&OUT, &order.id.to_string(), &order).await
     }
-}
-
-async fn connect(server: &NatsServer) -> SharedBroker {
-    JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared()
-}
-
-async fn count(b: &SharedBroker, stream: &str) -> u64 {
-    b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0)
-}
-
-async fn wait_count(b: &SharedBroker, stream: &str, n: u64, within: Duration) {
-    let start = Instant::now();
-    while start.elapsed() < within {
-        if count(b, stream).await >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
 }
 
 /// How many times each order id reached `shipped`.

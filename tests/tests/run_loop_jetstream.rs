@@ -3,10 +3,9 @@
 
 use bytes::Bytes;
 use flotilla_actors::{Job, StreamDef, Task, TaskContext, TaskError};
-use flotilla_tests::{NatsServer, ProcessGuard, example_bin};
+use flotilla_tests::{NatsServer, ProcessGuard, connect, count, example_bin, wait_count};
 use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};
-use flotilla_transport::{JetStreamBroker, JetStreamOptions};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -46,10 +45,6 @@ impl Task for Forward {
     }
 }
 
-async fn connect(server: &NatsServer) -> SharedBroker {
-    JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect").shared()
-}
-
 async fn publish(b: &SharedBroker, subject: String, id: u64, body: &str) {
     let payload = Codec::default().encode(&Record { id, body: body.into() }).expect("encode");
     b.publish(
@@ -57,21 +52,6 @@ async fn publish(b: &SharedBroker, subject: String, id: u64, body: &str) {
     )
     .await
     .expect("publish");
-}
-
-async fn count(b: &SharedBroker, stream: &str) -> u64 {
-    b.stream_state(stream).await.map(|s| s.messages).unwrap_or(0)
-}
-
-async fn wait_count(b: &SharedBroker, stream: &str, n: u64, within: Duration) {
-    let start = Instant::now();
-    while start.elapsed() < within {
-        if count(b, stream).await >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
 }
 
 /// Every record in a stream, read through a fresh consumer: (subject, record, headers).

@@ -940,71 +940,52 @@ impl Handler<SlotEnded> for Membership {
 
     fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
         let Some(part) = self.slot_of.remove(&ended.slot) else { return };
-        if ended.outcome == Outcome::EndOfStream {
-            // Record it before the lease goes, so no node starts the partition again in
-            // this run; the last one ends the run.
-            info!(stream = %part.0, partition = part.1, "partition reached its end of stream");
-            self.ended.insert(part.clone());
-            let record = record_ended(
-                self.s.broker.clone(),
-                self.buckets.control.clone(),
-                EndedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() },
-                &part,
-            );
-            let del = self.held.get(&part).map(|h| h.revision);
-            let broker = self.s.broker.clone();
-            let bucket = self.buckets.leases.clone();
-            self.held.remove(&part);
-            actix::spawn(async move {
-                if let Err(e) = record.await {
-                    warn!(error = %e, "could not record the partition's end of stream");
+        // A partition drained or at its end of stream is done for this run: record it
+        // before the lease goes, so no node starts it again in the run.
+        let key = match ended.outcome {
+            Outcome::EndOfStream => {
+                info!(stream = %part.0, partition = part.1, "partition reached its end of stream");
+                self.ended.insert(part.clone());
+                keys::ended(&part.0, part.1)
+            }
+            Outcome::Drained => {
+                info!(stream = %part.0, partition = part.1, "partition drained");
+                self.drained.insert(part.clone());
+                keys::drained(&part.0, part.1)
+            }
+            _ => {
+                if self.held.contains_key(&part) {
+                    self.delete_lease(&part);
                 }
-                if let Some(rev) = del {
-                    let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
-                }
-            });
-            return;
-        }
-        if ended.outcome == Outcome::Drained {
-            // Record it before the lease goes, so no node starts the partition again in
-            // this run.
-            let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
-            let put = self.s.broker.kv_put(
-                &self.buckets.control,
-                &keys::drained(&part.0, part.1),
-                Bytes::from(serde_json::to_vec(&record).unwrap_or_default()),
-            );
-            self.drained.insert(part.clone());
-            info!(stream = %part.0, partition = part.1, "partition drained");
-            let del = self.held.get(&part).map(|h| h.revision);
-            let broker = self.s.broker.clone();
-            let bucket = self.buckets.leases.clone();
-            self.held.remove(&part);
-            actix::spawn(async move {
-                if let Err(e) = put.await {
-                    warn!(error = %e, "could not record the drained partition");
-                }
-                if let Some(rev) = del {
-                    let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
-                }
-            });
-            return;
-        }
-        if self.held.contains_key(&part) {
-            self.delete_lease(&part);
-        }
+                return;
+            }
+        };
+        let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
+        let stored = record_done(self.s.broker.clone(), self.buckets.control.clone(), key, &record);
+        let del = self.held.get(&part).map(|h| h.revision);
+        let broker = self.s.broker.clone();
+        let bucket = self.buckets.leases.clone();
+        self.held.remove(&part);
+        actix::spawn(async move {
+            if let Err(e) = stored.await {
+                warn!(error = %e, stream = %part.0, partition = part.1, "could not record that the partition is done for the run");
+            }
+            if let Some(rev) = del {
+                let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
+            }
+        });
     }
 }
 
-/// Stores that `part` ended, retrying passing failures for up to a minute: until it is
-/// stored, other nodes would take the partition up again.
-fn record_ended(
+/// Stores `record` at `key` (a partition drained or ended in the run), retrying
+/// passing failures for up to a minute: until it is stored, other nodes would take the
+/// partition up again.
+fn record_done(
     broker: SharedBroker,
     bucket: String,
-    record: EndedRecord,
-    part: &Part,
+    key: String,
+    record: &DrainedRecord,
 ) -> impl std::future::Future<Output = Result<(), BrokerError>> + 'static {
-    let key = keys::ended(&part.0, part.1);
     let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
     async move {
         let started = Instant::now();
