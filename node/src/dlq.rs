@@ -205,7 +205,7 @@ impl DeadLetters {
     /// The entries matching the filters, oldest first, at most `limit`.
     ///
     /// # Errors
-    /// [`ControlError::Input`] when the job has no DLQ; broker failures.
+    /// [`ControlError::Refused`] when the job has no DLQ; broker failures.
     pub async fn list(
         &self,
         stream: Option<&str>,
@@ -243,7 +243,7 @@ impl DeadLetters {
     /// One entry.
     ///
     /// # Errors
-    /// [`ControlError::Input`] when there is none with this id.
+    /// [`ControlError::Refused`] when there is none with this id.
     pub async fn get(&self, id: u64) -> Result<DeadLetterEntry, ControlError> {
         if id == 0 {
             return Err(ControlError::Refused("dead-letter ids start at 1: `dlq list` shows them".into()));
