@@ -314,6 +314,15 @@ pub struct NodeStatus {
     pub run_id: String,
     /// It is leaving.
     pub leaving: bool,
+    /// Its host name.
+    #[serde(default)]
+    pub host: String,
+    /// Flotilla's version on it.
+    #[serde(default)]
+    pub version: String,
+    /// When it started (ms since the Unix epoch; 0 from nodes before 0.1 that did not say).
+    #[serde(default)]
+    pub started_ms: u64,
     /// What it consumes (one page of it: see [`ControlRequest::offset`]).
     pub slots: Vec<SlotStatus>,
     /// Where the next page of its slots starts, when there is one.

@@ -112,6 +112,9 @@ impl Event {
 /// Logs the event and publishes it (best effort: events are notifications).
 pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
     let kind = event.type_name();
+    if let Event::DeadLettered { stream, reason, .. } = &event {
+        crate::metrics::dead_lettered(stream, reason);
+    }
     let payload = match serde_json::to_vec(&event) {
         Ok(p) => p,
         Err(e) => {

@@ -17,6 +17,7 @@ pub mod events;
 pub mod failpoint;
 pub mod job;
 pub mod membership;
+pub mod metrics;
 pub mod producer;
 pub mod reaper;
 pub mod retry;

@@ -10,6 +10,7 @@
 //! log = "info,flotilla_actors=debug"
 //! log_json = false
 //! replicas = 3                   # copies of every stream and bucket (a NATS cluster of 3+)
+//! http = "127.0.0.1:9090"        # serve /metrics, /api/status and the dashboard here
 //!
 //! [connect]
 //! user = "flotilla"
@@ -170,6 +171,9 @@ pub struct NodeConfig {
     pub log_json: Option<bool>,
     /// Replicas of every stream and KV bucket the job creates (1 to 5; default 1).
     pub replicas: Option<usize>,
+    /// Where to serve `/metrics`, `/api/status` and the dashboard (`host:port`; none
+    /// by default).
+    pub http: Option<String>,
     /// NATS connection settings.
     #[serde(default)]
     pub connect: ConnectConfig,
@@ -215,6 +219,7 @@ impl NodeConfig {
             log: self.log.or(lower.log),
             log_json: self.log_json.or(lower.log_json),
             replicas: self.replicas.or(lower.replicas),
+            http: self.http.or(lower.http),
             connect: ConnectConfig {
                 user: c.user.or(l.user),
                 password: c.password.or(l.password),

@@ -292,16 +292,28 @@ impl DeadLetters {
         progress: bool,
     ) -> Result<usize, ControlError> {
         let entries = self.select(ids, all, stream, reason).await?;
-        self.each(&entries, "replayed", progress, async |entry| {
-            let msg = entry.replay_message(&self.subjects)?;
-            self.broker.publish(msg).await.map_err(|e| e.to_string())?;
-            self.broker
-                .delete_message(&self.stream, entry.id)
-                .await
-                .map_err(|e| format!("sent back, but not removed: {e}"))?;
-            Ok(())
-        })
-        .await
+        self.each(&entries, "replayed", progress, async |entry| self.send_back(entry).await).await
+    }
+
+    /// Replays one entry quietly (the dashboard's button).
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] when there is no such entry or it cannot be sent
+    /// back; broker failures.
+    pub async fn replay_one(&self, id: u64) -> Result<(), ControlError> {
+        let entry = self.get(id).await?;
+        self.send_back(&entry).await.map_err(ControlError::Refused)
+    }
+
+    /// Publishes the entry to its subject again, then deletes it.
+    async fn send_back(&self, entry: &DeadLetterEntry) -> Result<(), String> {
+        let msg = entry.replay_message(&self.subjects)?;
+        self.broker.publish(msg).await.map_err(|e| e.to_string())?;
+        self.broker
+            .delete_message(&self.stream, entry.id)
+            .await
+            .map_err(|e| format!("sent back, but not removed: {e}"))?;
+        Ok(())
     }
 
     /// Deletes entries; returns how many.

@@ -32,6 +32,7 @@ pub mod config;
 pub mod connect;
 pub mod control;
 pub mod dlq;
+pub mod http;
 pub mod publish;
 pub mod runner;
 

@@ -71,6 +71,10 @@ pub struct NodeArgs {
     /// on a NATS cluster of 3 or more servers.
     #[arg(long, env = "FLOTILLA_REPLICAS", global = true)]
     pub replicas: Option<usize>,
+    /// Serve /metrics (Prometheus), /api/status and the live dashboard on this address
+    /// (`host:port`, e.g. 127.0.0.1:9090; port 0 picks a free one).
+    #[arg(long, env = "FLOTILLA_HTTP", global = true, value_name = "ADDR")]
+    pub http: Option<String>,
 }
 
 impl NodeArgs {
@@ -83,6 +87,7 @@ impl NodeArgs {
             log: self.log.clone(),
             log_json: self.log_json,
             replicas: self.replicas,
+            http: self.http.clone(),
             connect: ConnectConfig {
                 user: self.nats_user.clone(),
                 password: self.nats_password.clone(),
@@ -198,6 +203,9 @@ pub enum NodeError {
     /// A producer could not be made.
     #[error("{0}")]
     Producer(String),
+    /// The HTTP endpoint could not start.
+    #[error(transparent)]
+    Http(#[from] crate::http::HttpError),
 }
 
 // `main` prints a returned error with `Debug`: make that the readable message.
@@ -249,6 +257,11 @@ where
     let config = args.resolve()?;
     init_logging(&config)?;
     exit_on_panic_outside_tasks();
+    // Installed before the job starts: the actors' metric handles are made then.
+    let recorder = match &config.http {
+        Some(_) => Some(crate::http::install_recorder()?),
+        None => None,
+    };
     let system = actix::System::new();
     system.block_on(async move {
         let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
@@ -268,6 +281,12 @@ where
         };
         let info = broker.server();
         info!(job = %name, node = %node_id, broker = ?info.kind, server = %info.version, run = %running.run_id(), "job started");
+        if let (Some(addr), Some(recorder)) = (&config.http, recorder) {
+            let served = crate::http::Served { job: name.clone(), node: node_id.clone(), broker: broker.clone() };
+            let endpoint = crate::http::serve(addr, served, recorder)?;
+            // One line a script can read to find a port chosen with :0.
+            info!(addr = %endpoint.addr, url = %format!("http://{}/", endpoint.addr), "dashboard and metrics");
+        }
         let handle = NodeHandle {
             broker,
             stopper: running.stopper(),

@@ -21,6 +21,7 @@ pub use messages::{AddSlot, ContainerExit, ReleaseSlot, SetPaused, SlotEnded, Sn
 
 use crate::config::FailurePolicy;
 use crate::events::{Event, emit};
+use crate::metrics::{SlotMetrics, Utilization};
 use crate::reaper::{Reaper, Sweep};
 use crate::state::{CoordinatorRequests, ShutdownScope};
 use crate::task_worker::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
@@ -139,12 +140,14 @@ struct Slot {
     /// The worker ended while a claim was out: tell the observer when it returns (so
     /// the next owner never competes with this node's outstanding pull).
     ended: Option<Outcome>,
+    metrics: SlotMetrics,
 }
 
 impl Slot {
     fn new(spec: SlotSpec) -> Self {
         let paused = spec.paused;
         Self {
+            metrics: SlotMetrics::new(&spec.stream, spec.partition),
             spec,
             worker: None,
             outstanding: 0,
@@ -236,6 +239,7 @@ pub struct Container {
     strikes: u32,
     degraded: bool,
     backlog_check_running: bool,
+    utilization: Utilization,
     /// Cluster mode: slots come and go, and whoever holds the leases hears when one ends.
     observer: Option<Recipient<SlotEnded>>,
     /// Cluster mode: builds the slot of an ordered partition whose lease was acquired.
@@ -283,6 +287,7 @@ impl Container {
             strikes: 0,
             degraded: false,
             backlog_check_running: false,
+            utilization: Utilization::default(),
             observer: None,
             partitions: None,
         }
@@ -402,14 +407,19 @@ impl Container {
                 }
                 if batch.is_empty() {
                     slot.empty_claims = slot.empty_claims.saturating_add(1);
+                    slot.metrics.idle_polls.increment(1);
                     return;
                 }
                 slot.empty_claims = 0;
                 match &slot.worker {
                     Some(w) if !slot.finished && !slot.stopping => {
                         slot.outstanding += batch.len();
+                        let redelivered = batch.iter().filter(|d| d.info.delivered > 1).count() as u64;
                         slot.deliveries += batch.len() as u64;
-                        slot.redeliveries += batch.iter().filter(|d| d.info.delivered > 1).count() as u64;
+                        slot.redeliveries += redelivered;
+                        slot.metrics.envelopes.increment(batch.len() as u64);
+                        slot.metrics.redeliveries.increment(redelivered);
+                        slot.metrics.pending.set(slot.outstanding as f64);
                         w.deliver.do_send(Deliver(batch));
                     }
                     _ if slot.spec.partition.is_some() => {
@@ -565,15 +575,19 @@ impl Container {
         }
         self.backlog_check_running = true;
         let broker = self.broker.clone();
-        let targets: Vec<(String, Option<u32>, String, String)> = self
+        self.utilization.sample();
+        let targets: Vec<(String, Option<u32>, String, String, SlotMetrics)> = self
             .slots
             .values()
             .filter(|s| !s.finished)
-            .map(|s| (s.spec.stream.clone(), s.spec.partition, s.spec.js_stream.clone(), s.spec.consumer.clone()))
+            .map(|s| {
+                let spec = &s.spec;
+                (spec.stream.clone(), spec.partition, spec.js_stream.clone(), spec.consumer.clone(), s.metrics.clone())
+            })
             .collect();
         let fut = async move {
             let mut readings = Vec::new();
-            for (stream, partition, js, consumer) in targets {
+            for (stream, partition, js, consumer, metrics) in targets {
                 if let Ok(c) = broker.consumer_state(&js, &consumer).await {
                     let waiting = c.num_pending + c.num_ack_pending;
                     let first = c.ack_floor + 1;
@@ -581,6 +595,8 @@ impl Container {
                         Ok(Some(m)) => std::time::SystemTime::now().duration_since(m.published).unwrap_or_default(),
                         _ => Duration::ZERO,
                     };
+                    metrics.backlog.set(waiting as f64);
+                    metrics.oldest_age.set(if waiting == 0 { 0.0 } else { age.as_secs_f64() });
                     readings.push((stream, partition, waiting, age));
                 }
             }
@@ -670,6 +686,7 @@ impl Handler<WorkerReport> for Container {
             WorkerReport::Completed { slot, count } => {
                 if let Some(s) = self.slots.get_mut(&slot) {
                     s.outstanding = s.outstanding.saturating_sub(count);
+                    s.metrics.pending.set(s.outstanding as f64);
                     s.restarts = 0;
                 }
             }
@@ -695,6 +712,10 @@ impl Handler<WorkerReport> for Container {
                 let Some(s) = self.slots.get_mut(&slot) else { return };
                 s.finished = true;
                 s.outstanding = 0;
+                // What this node no longer runs, it no longer reports.
+                s.metrics.pending.set(0.0);
+                s.metrics.backlog.set(0.0);
+                s.metrics.oldest_age.set(0.0);
                 match outcome {
                     Outcome::Failed(reason) if !self.stopping => match s.spec.policy {
                         FailurePolicy::FailContainer => {

@@ -29,8 +29,8 @@ pub use messages::{ControlMessage, Deregister, Leave, LeaveReason};
 
 use crate::assignment;
 use crate::cluster::{
-    self, ClusterConfig, ControlReply, ControlRequest, DrainedRecord, EndedRecord, Fence, LeaseRecord, NodeStatus,
-    PauseRecord, RequestRecord, keys,
+    self, ClusterConfig, ControlReply, ControlRequest, DrainedRecord, EndedRecord, Fence, LeaseRecord, NodeRecord,
+    NodeStatus, PauseRecord, RequestRecord, keys,
 };
 use crate::container::{AddSlot, Container, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
 use crate::reaper::{AcquireLease, Reaper, Tidy};
@@ -304,7 +304,15 @@ impl Membership {
         }));
     }
 
+    /// Sets the partitions-owned gauge of every ordered input.
+    fn report_owned(&self) {
+        for (stream, _) in &self.s.ordered {
+            crate::metrics::partitions_owned(stream, self.held.keys().filter(|(s, _)| s == stream).count());
+        }
+    }
+
     fn apply(&mut self, view: View, ctx: &mut Context<Self>) {
+        self.report_owned();
         let now = Instant::now();
         let cfg = self.s.config.clone();
         if view.nodes != self.members {
@@ -407,7 +415,7 @@ impl Membership {
                     // is gone: this one took the id over). Take it over at once, with a
                     // new epoch, rather than wait out its TTL.
                     info!(stream = %part.0, partition = p, "taking over a lease of this node id's previous process");
-                    self.acquire(part, Some(entry.revision), ctx);
+                    self.acquire(part, Some(entry.revision), "takeover", ctx);
                     continue;
                 }
                 if leased
@@ -421,7 +429,7 @@ impl Membership {
                 let mine = target.is_some_and(|t| *t == self.s.node);
                 // A partition nobody took for a whole TTL goes to whoever gets it first.
                 if mine || now.saturating_duration_since(since) >= cfg.lease_ttl {
-                    self.acquire(part, None, ctx);
+                    self.acquire(part, None, if mine { "assigned" } else { "unclaimed" }, ctx);
                 }
             }
         }
@@ -551,6 +559,7 @@ impl Membership {
     fn lose(&mut self, part: &Part, why: &str) {
         if let Some(h) = self.held.remove(part) {
             warn!(stream = %part.0, partition = part.1, epoch = h.epoch, why, "partition lost");
+            crate::metrics::lease_lost(&part.0);
             h.fence.revoke();
             if let Some(slot) = h.slot {
                 self.slot_of.remove(&slot);
@@ -574,7 +583,7 @@ impl Membership {
 
     /// Acquires `part`'s lease: creates it, or replaces it at `replace` (a lease a
     /// dead incarnation of this node left).
-    fn acquire(&mut self, part: Part, replace: Option<u64>, ctx: &mut Context<Self>) {
+    fn acquire(&mut self, part: Part, replace: Option<u64>, how: &'static str, ctx: &mut Context<Self>) {
         if !self.acquiring.insert(part.clone()) {
             return;
         }
@@ -620,7 +629,8 @@ impl Membership {
                 paused,
                 start: acquired.start,
             };
-            info!(stream = %part.0, partition = part.1, epoch = revision, "lease acquired");
+            info!(stream = %part.0, partition = part.1, epoch = revision, how, "lease acquired");
+            crate::metrics::lease_acquired(&part.0, how);
             act.unleased_since.remove(&part);
             act.held.insert(part.clone(), Held::new(revision, fence));
             // The record was created before its revision was known: write the epoch
@@ -648,6 +658,7 @@ impl Membership {
     fn delete_lease(&mut self, part: &Part) {
         let Some(h) = self.held.remove(part) else { return };
         h.fence.revoke();
+        crate::metrics::lease_released(&part.0);
         if let Some(slot) = h.slot {
             self.slot_of.remove(&slot);
         }
@@ -784,7 +795,18 @@ impl Membership {
             ctx.spawn(snapshot.into_actor(self).map(move |slots, act, _| {
                 let mut reply = base;
                 let (slots, more_from) = cluster::status_page(slots.unwrap_or_default(), from);
-                reply.status = Some(NodeStatus { node, pid: std::process::id(), run_id, leaving, slots, more_from });
+                let record = serde_json::from_slice::<NodeRecord>(&act.s.node_value).ok();
+                reply.status = Some(NodeStatus {
+                    node,
+                    pid: std::process::id(),
+                    run_id,
+                    leaving,
+                    host: record.as_ref().map(|r| r.host.clone()).unwrap_or_default(),
+                    version: env!("CARGO_PKG_VERSION").to_owned(),
+                    started_ms: record.map_or(0, |r| r.started_ms),
+                    slots,
+                    more_from,
+                });
                 act.reply(reply_to, reply);
             }));
             return;

@@ -48,6 +48,7 @@ pub use self::core::SuspectRecord;
 use self::core::{Admission, AfterFailure, Discipline, Intake, SuspectVerdict, Suspects};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
+use crate::metrics::{AckCount, TaskMetrics};
 use crate::reaper::{DeadLetter, Reaper};
 use crate::state::{EnvelopeKind, Op, TaskState};
 use crate::stream::StreamKind;
@@ -306,6 +307,20 @@ pub struct TaskWorker<T: Task> {
     /// Ordered hooks derive their outputs' ids from the input position they ran at
     /// and how many hooks ran there before.
     hook_at: (u64, u32),
+    /// What this task's work is measured by.
+    metrics: TaskMetrics,
+    /// When the commit under way began.
+    commit_started: Option<Instant>,
+}
+
+/// The kind an acknowledgement counts as in [`crate::metrics::names::ACKS`].
+fn ack_count(kind: AckKind) -> AckCount {
+    match kind {
+        AckKind::Ack => AckCount::Ack,
+        AckKind::Nak(_) => AckCount::Nak,
+        AckKind::Term => AckCount::Term,
+        AckKind::InProgress => AckCount::InProgress,
+    }
 }
 
 impl<T: Task> std::fmt::Debug for TaskWorker<T> {
@@ -329,7 +344,10 @@ impl<T: Task> TaskWorker<T> {
         let intake = Intake::after(binding.start.map(|s| s.delivered_consumer_seq));
         let suspects =
             binding.start.and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
+        let metrics = TaskMetrics::new(binding.stream, binding.partition);
         Self {
+            metrics,
+            commit_started: None,
             task: Some(Box::new(task)),
             state,
             env,
@@ -409,6 +427,17 @@ impl<T: Task> TaskWorker<T> {
     /// one broker operation and one container message, however many messages finished.
     fn send_batched(&mut self) {
         if !self.acks.is_empty() {
+            let mut counts = [0u64; 4];
+            for (_, kind) in &self.acks {
+                counts[ack_count(*kind) as usize] += 1;
+            }
+            for (kind, n) in
+                [AckCount::Ack, AckCount::Nak, AckCount::Term, AckCount::InProgress].into_iter().zip(counts)
+            {
+                if n > 0 {
+                    self.metrics.acked(kind, n);
+                }
+            }
             let fut = self.env.broker.ack_many(std::mem::take(&mut self.acks));
             let stream = self.binding.stream;
             actix::spawn(async move {
@@ -417,6 +446,7 @@ impl<T: Task> TaskWorker<T> {
                 }
             });
         }
+        self.metrics.in_flight.set(self.state.in_flight() as f64);
         if self.completed > 0 {
             let count = std::mem::take(&mut self.completed);
             self.report(WorkerReport::Completed { slot: self.binding.slot, count });
@@ -538,6 +568,7 @@ impl<T: Task> TaskWorker<T> {
         d.restore_failures = 0;
         self.applied_through = position;
         self.hook_at = (position, hooks);
+        self.metrics.restored(restored.keys.len() as u64, started.elapsed());
         emit(
             &self.env.broker,
             &self.env.subjects,
@@ -560,6 +591,7 @@ impl<T: Task> TaskWorker<T> {
     /// whose outputs are not stored yet, so the state it writes is that of exactly the
     /// inputs it acknowledges.
     fn commit_then(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        self.commit_started.get_or_insert_with(Instant::now);
         let Some(d) = &mut self.durable else {
             let positions = self.state.committable().clone();
             self.commit_positions(positions);
@@ -629,12 +661,15 @@ impl<T: Task> TaskWorker<T> {
         }
         let bucket = self.env.subjects.bucket_name(crate::store::STATE);
         let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone());
+        let sent = Instant::now();
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             if act.finished {
                 return;
             }
             match result {
                 Ok(persisted) => {
+                    act.metrics.store_flush.record(sent.elapsed().as_secs_f64());
+                    act.metrics.store_flushed.increment(persisted.revisions.len() as u64 + 1);
                     let Some(d) = &mut act.durable else { return };
                     {
                         let mut stores = d.stores.borrow_mut();
@@ -694,6 +729,9 @@ impl<T: Task> TaskWorker<T> {
     }
 
     fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        if let Some(started) = self.commit_started.take() {
+            self.metrics.commit.record(started.elapsed().as_secs_f64());
+        }
         match then {
             AfterCommit::Drive => self.drive(ctx),
             AfterCommit::Finish(outcome) => {
@@ -1161,6 +1199,11 @@ impl<T: Task> TaskWorker<T> {
     /// The handler of the message at `order` returned.
     fn processed(&mut self, order: u64, (task, mut tctx, result): Processed<T>, ctx: &mut Context<Self>) {
         self.task = Some(task);
+        if let Some(started) = self.inflight.get(&order).and_then(|e| e.started) {
+            let took = started.elapsed();
+            self.metrics.process.record(took.as_secs_f64());
+            self.metrics.busy(took);
+        }
         self.apply_requests(&mut tctx);
         let ok = matches!(result, Ok(Ok(())));
         self.end_callback(ok);
@@ -1296,6 +1339,7 @@ impl<T: Task> TaskWorker<T> {
         }
         let Some(flush) = self.publish_queue.pop_front() else { return };
         self.publishing = true;
+        let sent = Instant::now();
         let queued = self.env.broker.publish_pipelined_batch(flush.msgs.clone());
         ctx.spawn(queued.into_actor(self).map(move |queued, act, ctx| {
             act.publishing = false;
@@ -1305,6 +1349,8 @@ impl<T: Task> TaskWorker<T> {
                     ctx.spawn(stored.into_actor(act).map(move |stored, act, ctx| {
                         match stored {
                             Ok(()) => {
+                                act.metrics.publish.record(sent.elapsed().as_secs_f64());
+                                act.metrics.published.increment(flush.msgs.len() as u64);
                                 act.flushes_in_flight = act.flushes_in_flight.saturating_sub(1);
                                 act.flushed(flush.target, ctx)
                             }
@@ -1403,6 +1449,7 @@ impl<T: Task> TaskWorker<T> {
     /// One attempt failed: retry, or dead-letter on the last attempt.
     fn failed_attempt(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
         let Some(envelope) = self.inflight.get_mut(&order) else { return };
+        self.metrics.failed_attempts.increment(1);
         let attempt = envelope.attempt;
         let max = self.config.retry.max_attempts;
         let seq = envelope.delivery.info.stream_seq;
@@ -1516,6 +1563,7 @@ impl<T: Task> TaskWorker<T> {
             tctx = tctx.with_cause(cause);
         }
         let label = kind.label();
+        let started = Instant::now();
         let fut = async move {
             let result = Supervised::new(async {
                 match hook {
@@ -1538,6 +1586,7 @@ impl<T: Task> TaskWorker<T> {
         };
         ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
             act.task = Some(task);
+            act.metrics.hook(label, started.elapsed());
             act.apply_requests(&mut tctx);
             act.end_callback(matches!(result, Ok(Ok(()))));
             let result = match result {
@@ -1693,6 +1742,7 @@ impl<T: Task> TaskWorker<T> {
         let bucket = self.env.subjects.bucket_name(RELEASED);
         let key = released::key(self.binding.stream, d.info.stream_seq);
         let token = d.token.clone();
+        self.metrics.acked(ack_count(kind), 1);
         // Not tied to this actor (a stop ends it before the count is stored), and
         // awaited before the worker reports its end, so the process does not exit first.
         self.releases.retain(|h| !h.is_finished());

@@ -1,0 +1,320 @@
+//! A node's HTTP endpoint (`--http ADDR`): Prometheus metrics, the job's status as
+//! JSON, its dead letters, and the live dashboard.
+//!
+//! | path | what |
+//! |---|---|
+//! | `GET /` | the dashboard (one page, its script and style built into the binary) |
+//! | `GET /metrics` | this node's metrics, Prometheus text format (`docs/metrics.md`) |
+//! | `GET /api/status` | the job's status: the same JSON as `flotilla status --json` |
+//! | `GET /api/events` | recent events of the job (every node's), newest last |
+//! | `GET /api/dlq?limit=N` | the dead letters, oldest first (as `dlq list --json`) |
+//! | `POST /api/dlq/{id}/replay` | replays one dead letter (as `dlq replay ID`) |
+//! | `GET /healthz` | `ok` while the process serves |
+//!
+//! It runs on a thread of its own with its own runtime, so scrapes and page loads never
+//! take time from the run loop's thread. The job's status is read at most once a second
+//! whoever asks (each read asks every node), and shared.
+
+use crate::control::{ControlClient, ControlError};
+use crate::dlq::DeadLetters;
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use flotilla_actors::metrics::{BUCKETS, describe, names};
+use flotilla_transport::broker::{ConnectionEvent, SharedBroker};
+use futures::StreamExt;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use serde::Deserialize;
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tracing::{info, warn};
+
+/// The page, its script and its style.
+const INDEX_HTML: &str = include_str!("dashboard/index.html");
+const APP_JS: &str = include_str!("dashboard/app.js");
+const STYLE_CSS: &str = include_str!("dashboard/style.css");
+
+/// Events kept for `/api/events`.
+const EVENTS_KEPT: usize = 200;
+
+/// How long a status read is shared.
+const STATUS_FRESH: Duration = Duration::from_secs(1);
+
+/// Why the endpoint could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    /// The address cannot be listened on.
+    #[error("cannot listen on --http {addr}: {reason} (give a free address, e.g. 127.0.0.1:9090, or port 0 for any)")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        reason: String,
+    },
+    /// The metrics recorder could not be installed.
+    #[error("cannot install the metrics recorder: {0}")]
+    Recorder(String),
+}
+
+static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process's Prometheus recorder (once; later calls return the same
+/// handle) and describes every metric. Install it before the job starts: handles made
+/// before are no-ops.
+///
+/// # Errors
+/// [`HttpError::Recorder`] when another recorder is installed.
+pub fn install_recorder() -> Result<PrometheusHandle, HttpError> {
+    if let Some(h) = RECORDER.get() {
+        return Ok(h.clone());
+    }
+    let handle = PrometheusBuilder::new()
+        .set_buckets(BUCKETS)
+        .map_err(|e| HttpError::Recorder(e.to_string()))?
+        .install_recorder()
+        .map_err(|e| HttpError::Recorder(e.to_string()))?;
+    describe();
+    Ok(RECORDER.get_or_init(|| handle).clone())
+}
+
+/// What the endpoint serves for: the node and its job.
+#[derive(Debug, Clone)]
+pub struct Served {
+    /// The job.
+    pub job: String,
+    /// This node's id.
+    pub node: String,
+    /// The broker the node uses.
+    pub broker: SharedBroker,
+}
+
+/// The running endpoint.
+#[derive(Debug)]
+pub struct HttpEndpoint {
+    /// The address it listens on (with the port chosen when 0 was given).
+    pub addr: SocketAddr,
+}
+
+struct AppState {
+    served: Served,
+    metrics: PrometheusHandle,
+    status: tokio::sync::Mutex<Option<(Instant, Result<serde_json::Value, String>)>>,
+    events: Mutex<VecDeque<serde_json::Value>>,
+    started: Instant,
+}
+
+/// Listens on `addr` and serves on a thread of its own. The recorder must be
+/// installed ([`install_recorder`]).
+///
+/// # Errors
+/// [`HttpError`] when the address cannot be listened on.
+pub fn serve(addr: &str, served: Served, metrics: PrometheusHandle) -> Result<HttpEndpoint, HttpError> {
+    let bind_error = |reason: String| HttpError::Bind { addr: addr.to_owned(), reason };
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_error(e.to_string()))?;
+    listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
+    let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| bind_error(format!("no runtime: {e}")))?;
+    node_gauges(&served);
+    let state = Arc::new(AppState {
+        served,
+        metrics,
+        status: tokio::sync::Mutex::new(None),
+        events: Mutex::new(VecDeque::new()),
+        started: Instant::now(),
+    });
+    std::thread::Builder::new()
+        .name("flotilla-http".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        warn!(error = %e, "the HTTP endpoint cannot listen");
+                        return;
+                    }
+                };
+                tokio::spawn(upkeep(state.clone()));
+                tokio::spawn(collect_events(state.clone()));
+                tokio::spawn(count_connection_events(state.served.broker.clone()));
+                if let Err(e) = axum::serve(listener, router(state)).await {
+                    warn!(error = %e, "the HTTP endpoint stopped");
+                }
+            })
+        })
+        .map_err(|e| bind_error(format!("no thread: {e}")))?;
+    info!(addr = %local, "serving /metrics, /api/status and the dashboard");
+    Ok(HttpEndpoint { addr: local })
+}
+
+fn node_gauges(served: &Served) {
+    let started = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    metrics::gauge!(names::START_TIME).set(started);
+    metrics::gauge!(
+        names::NODE_INFO,
+        "node" => served.node.clone(),
+        "flotilla_job" => served.job.clone(),
+        "version" => env!("CARGO_PKG_VERSION"),
+    )
+    .set(1.0);
+}
+
+fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(INDEX_HTML) }))
+        .route("/app.js", get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], APP_JS) }))
+        .route("/style.css", get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], STYLE_CSS) }))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/metrics", get(metrics_text))
+        .route("/api/status", get(status))
+        .route("/api/node", get(node))
+        .route("/api/events", get(events))
+        .route("/api/dlq", get(dlq_list))
+        .route("/api/dlq/{id}/replay", post(dlq_replay))
+        .with_state(state)
+}
+
+/// Histograms are drained into their buckets here too, so a node nobody scrapes
+/// keeps no growing sample buffers.
+async fn upkeep(state: Arc<AppState>) {
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        state.metrics.run_upkeep();
+    }
+}
+
+/// Keeps the job's recent events (every node publishes them on core NATS).
+async fn collect_events(state: Arc<AppState>) {
+    let subject = format!("flotilla.{}._evt.>", state.served.job);
+    loop {
+        match state.served.broker.subscribe(&subject, None).await {
+            Ok(mut events) => {
+                while let Some(msg) = events.next().await {
+                    let Ok(mut event) = serde_json::from_slice::<serde_json::Value>(&msg.payload) else { continue };
+                    if let Some(obj) = event.as_object_mut() {
+                        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+                        obj.entry("at_ms").or_insert(now.into());
+                    }
+                    let mut kept = state.events.lock().unwrap_or_else(PoisonError::into_inner);
+                    if kept.len() == EVENTS_KEPT {
+                        kept.pop_front();
+                    }
+                    kept.push_back(event);
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot subscribe to the job's events; trying again"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn count_connection_events(broker: SharedBroker) {
+    let mut events = broker.events();
+    let connected = metrics::gauge!(names::CONNECTED);
+    connected.set(1.0);
+    let (lost, back) = (metrics::counter!(names::DISCONNECTS), metrics::counter!(names::RECONNECTS));
+    loop {
+        match events.recv().await {
+            Ok(ConnectionEvent::Disconnected) => {
+                lost.increment(1);
+                connected.set(0.0);
+            }
+            Ok(ConnectionEvent::Connected) => {
+                back.increment(1);
+                connected.set(1.0);
+            }
+            Ok(_) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+async fn metrics_text(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render())
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
+}
+
+fn control_error(e: ControlError) -> Response {
+    let status = match e {
+        ControlError::Refused(_) => StatusCode::BAD_REQUEST,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    error(status, e.to_string())
+}
+
+async fn status(State(state): State<Arc<AppState>>) -> Response {
+    let mut cached = state.status.lock().await;
+    let fresh = cached.as_ref().is_some_and(|(at, _)| at.elapsed() < STATUS_FRESH);
+    if !fresh {
+        let read = async {
+            let client = ControlClient::new(state.served.broker.clone(), &state.served.job).await?;
+            let status = client.status().await?;
+            Ok::<_, ControlError>(serde_json::to_value(&status).unwrap_or_default())
+        };
+        *cached = Some((Instant::now(), read.await.map_err(|e| e.to_string())));
+    }
+    match cached.as_ref().map(|(_, r)| r) {
+        Some(Ok(v)) => Json(v.clone()).into_response(),
+        Some(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.clone()),
+        None => error(StatusCode::SERVICE_UNAVAILABLE, "no status yet"),
+    }
+}
+
+/// The node serving the page.
+async fn node(State(state): State<Arc<AppState>>) -> Response {
+    Json(serde_json::json!({
+        "node": state.served.node,
+        "job": state.served.job,
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_ms": state.started.elapsed().as_millis() as u64,
+    }))
+    .into_response()
+}
+
+async fn events(State(state): State<Arc<AppState>>) -> Response {
+    let kept: Vec<serde_json::Value> =
+        state.events.lock().unwrap_or_else(PoisonError::into_inner).iter().cloned().collect();
+    Json(kept).into_response()
+}
+
+#[derive(Deserialize)]
+struct DlqQuery {
+    limit: Option<usize>,
+    stream: Option<String>,
+    reason: Option<String>,
+}
+
+async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
+    let letters = match DeadLetters::new(state.served.broker.clone(), &state.served.job) {
+        Ok(d) => d,
+        Err(e) => return control_error(e),
+    };
+    match letters.list(q.stream.as_deref(), q.reason.as_deref(), q.limit.unwrap_or(100).min(1000)).await {
+        Ok(entries) => Json(entries).into_response(),
+        Err(e) => control_error(e),
+    }
+}
+
+async fn dlq_replay(State(state): State<Arc<AppState>>, Path(id): Path<u64>) -> Response {
+    let letters = match DeadLetters::new(state.served.broker.clone(), &state.served.job) {
+        Ok(d) => d,
+        Err(e) => return control_error(e),
+    };
+    match letters.replay_one(id).await {
+        Ok(()) => {
+            info!(id, "dead letter replayed from the dashboard");
+            Json(serde_json::json!({ "replayed": 1 })).into_response()
+        }
+        Err(e) => control_error(e),
+    }
+}
