@@ -120,6 +120,18 @@ pub enum ControlCommand {
         #[arg(long)]
         key: String,
     },
+    /// A live view of the job in the terminal: nodes, partitions with owner, backlog,
+    /// age and rate, the DLQ, drains and moves (the dashboard's view; `--http` serves it
+    /// as a page).
+    #[command(after_help = "Examples:\n  flotilla --job relay top\n  flotilla --job relay top --once --interval 2s")]
+    Top {
+        /// How often to redraw (rates are over this interval).
+        #[arg(long, default_value = "2s", value_parser = crate::config::parse_duration)]
+        interval: Duration,
+        /// Print one screen (after one interval, for the rates) and exit.
+        #[arg(long)]
+        once: bool,
+    },
     /// Dead letters: list, show, replay, purge.
     Dlq {
         /// What to do.
@@ -1154,6 +1166,7 @@ pub async fn run_command_typed(
                 print_status(&s);
             }
         }),
+        ControlCommand::Top { interval, once } => crate::top::run(&client, interval, once).await,
         ControlCommand::Drain { cancel: true, .. } => {
             client.cancel_drain().await.map(|outcome| crate::outln!("{outcome}"))
         }

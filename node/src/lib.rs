@@ -35,6 +35,7 @@ pub mod dlq;
 pub mod http;
 pub mod publish;
 pub mod runner;
+pub mod top;
 
 pub use control::{ControlClient, ControlCommand};
 pub use runner::{JobRunner, NodeArgs, NodeError, NodeHandle, run};

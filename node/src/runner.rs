@@ -273,6 +273,14 @@ where
         };
         let job = job.replicas(config.replicas()?);
         let name = job.name().to_owned();
+        // Listening before the job starts: an address that cannot be served stops the
+        // node before it takes any partition.
+        if let (Some(addr), Some(recorder)) = (&config.http, recorder) {
+            let served = crate::http::Served { job: name.clone(), node: node_id.clone(), broker: broker.clone() };
+            let endpoint = crate::http::serve(addr, served, recorder)?;
+            // One line a script can read to find a port chosen with :0.
+            info!(addr = %endpoint.addr, url = %format!("http://{}/", endpoint.addr), "dashboard and metrics");
+        }
         let running = if embedded {
             // One process holds the whole embedded broker: no cluster to join.
             job.start(broker.clone()).await?
@@ -281,12 +289,6 @@ where
         };
         let info = broker.server();
         info!(job = %name, node = %node_id, broker = ?info.kind, server = %info.version, run = %running.run_id(), "job started");
-        if let (Some(addr), Some(recorder)) = (&config.http, recorder) {
-            let served = crate::http::Served { job: name.clone(), node: node_id.clone(), broker: broker.clone() };
-            let endpoint = crate::http::serve(addr, served, recorder)?;
-            // One line a script can read to find a port chosen with :0.
-            info!(addr = %endpoint.addr, url = %format!("http://{}/", endpoint.addr), "dashboard and metrics");
-        }
         let handle = NodeHandle {
             broker,
             stopper: running.stopper(),

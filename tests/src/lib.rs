@@ -14,6 +14,7 @@
 
 pub mod fault_proxy;
 pub mod relay_cluster;
+pub mod webdriver;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

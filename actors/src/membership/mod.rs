@@ -560,6 +560,7 @@ impl Membership {
         if let Some(h) = self.held.remove(part) {
             warn!(stream = %part.0, partition = part.1, epoch = h.epoch, why, "partition lost");
             crate::metrics::lease_lost(&part.0);
+            self.report_owned();
             h.fence.revoke();
             if let Some(slot) = h.slot {
                 self.slot_of.remove(&slot);
@@ -633,6 +634,7 @@ impl Membership {
             crate::metrics::lease_acquired(&part.0, how);
             act.unleased_since.remove(&part);
             act.held.insert(part.clone(), Held::new(revision, fence));
+            act.report_owned();
             // The record was created before its revision was known: write the epoch
             // into it now, so readers of LEASES see it at once.
             act.renew(part.clone(), ctx);
@@ -659,6 +661,7 @@ impl Membership {
         let Some(h) = self.held.remove(part) else { return };
         h.fence.revoke();
         crate::metrics::lease_released(&part.0);
+        self.report_owned();
         if let Some(slot) = h.slot {
             self.slot_of.remove(&slot);
         }

@@ -1,0 +1,348 @@
+//! Seeing a job run, against a real nats-server and real relay nodes: `/metrics`
+//! scraped and parsed (counts that must match what the nodes did), `/api/status`
+//! against `status --json`, and the dashboard driven by a real headless Chromium
+//! (three nodes, one killed, its partitions seen moving, a dead letter replayed by a
+//! click). Screenshots go to `target/tmp/dashboard/`.
+
+use flotilla_tests::free_port;
+use flotilla_tests::relay_cluster::{Launch, RelayCluster, tail};
+use flotilla_tests::webdriver::{Browser, WebDriverError};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// One sample of a scrape: `name{labels}` → value.
+#[derive(Debug, Default)]
+struct Scrape {
+    samples: Vec<(String, BTreeMap<String, String>, f64)>,
+    types: BTreeMap<String, String>,
+}
+
+impl Scrape {
+    /// Parses Prometheus text exposition format (what the exporter writes).
+    fn parse(text: &str) -> Self {
+        let mut s = Scrape::default();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split_whitespace();
+                if let (Some(name), Some(kind)) = (parts.next(), parts.next()) {
+                    s.types.insert(name.to_owned(), kind.to_owned());
+                }
+                continue;
+            }
+            if line.starts_with('#') || line.trim().is_empty() {
+                continue;
+            }
+            let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("a sample line: {line:?}"));
+            let value: f64 = match value {
+                "+Inf" => f64::INFINITY,
+                v => v.parse().unwrap_or_else(|_| panic!("a number in {line:?}")),
+            };
+            let (name, labels) = match series.split_once('{') {
+                Some((name, rest)) => {
+                    let body = rest.strip_suffix('}').unwrap_or_else(|| panic!("closed labels in {line:?}"));
+                    let mut labels = BTreeMap::new();
+                    for pair in body.split("\",").filter(|p| !p.is_empty()) {
+                        let (k, v) = pair.split_once("=\"").unwrap_or_else(|| panic!("label in {line:?}"));
+                        labels.insert(k.to_owned(), v.trim_end_matches('"').to_owned());
+                    }
+                    (name.to_owned(), labels)
+                }
+                None => (series.to_owned(), BTreeMap::new()),
+            };
+            s.samples.push((name, labels, value));
+        }
+        s
+    }
+
+    /// The sum of `name` over the samples whose labels include `with`.
+    fn sum(&self, name: &str, with: &[(&str, &str)]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|(n, l, _)| n == name && with.iter().all(|(k, v)| l.get(*k).map(String::as_str) == Some(*v)))
+            .map(|(_, _, v)| v)
+            .sum()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.samples.iter().any(|(n, _, _)| n == name)
+    }
+}
+
+fn get(url: &str) -> (u16, String) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(20)))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    match agent.get(url).call() {
+        Ok(mut r) => {
+            let status = r.status().as_u16();
+            (status, r.body_mut().read_to_string().unwrap_or_default())
+        }
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// Scrapes until `check` holds (counters settle once the work is done).
+fn scrape_until(url: &str, within: Duration, what: &str, check: impl Fn(&Scrape) -> bool) -> Scrape {
+    let deadline = Instant::now() + within;
+    loop {
+        let (status, body) = get(url);
+        if status == 200 {
+            let s = Scrape::parse(&body);
+            if check(&s) {
+                return s;
+            }
+            if Instant::now() > deadline {
+                panic!("{what} never held; last scrape:\n{}", tail(&body, 80));
+            }
+        } else if Instant::now() > deadline {
+            panic!("{url} answered {status}: {body}");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn http_launch(port: u16) -> Launch {
+    Launch { args: vec!["--http".into(), format!("127.0.0.1:{port}")], ..Launch::default() }
+}
+
+/// One node with `--http`: 100 records, 2 of them poison (3 attempts each). The
+/// scrape's counts are exactly what the node did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_scraped_and_count_exactly_what_the_node_did() {
+    let mut c = RelayCluster::start(&[]).await;
+    let port = free_port();
+    c.add_with("metrics-a", http_launch(port));
+    c.wait_log("metrics-a", "dashboard and metrics", Duration::from_secs(30)).await;
+    let out = c.relay_cmd(&["publish", "--count", "100", "--poison", "2"]);
+    assert!(out.status.success(), "publish: {}", String::from_utf8_lossy(&out.stderr));
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_relay-out", 98, Duration::from_secs(60)).await;
+
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let s = tokio::task::spawn_blocking(move || {
+        scrape_until(&url, Duration::from_secs(30), "2 dead letters and 98 outputs counted", |s| {
+            s.sum("flotilla_dead_letters_total", &[]) >= 2.0 && s.sum("flotilla_published_messages_total", &[]) >= 98.0
+        })
+    })
+    .await
+    .expect("scrape");
+    let all = |name: &str| s.sum(name, &[]);
+    // Every record was handed to its task once; the poison ones were retried in place.
+    assert_eq!(all("flotilla_envelopes_total"), 100.0, "envelopes");
+    assert_eq!(all("flotilla_redeliveries_total"), 0.0, "redeliveries");
+    assert_eq!(s.sum("flotilla_dead_letters_total", &[("stream", "relay-in"), ("reason", "max-attempts")]), 2.0);
+    assert_eq!(all("flotilla_failed_attempts_total"), 6.0, "3 failed attempts per poison record");
+    // 98 successes and 6 failures: one `process` each.
+    assert_eq!(all("flotilla_process_seconds_count"), 104.0, "process calls");
+    assert_eq!(all("flotilla_published_messages_total"), 98.0, "outputs stored");
+    assert!(all("flotilla_acks_total") >= 8.0, "commits acknowledge every partition's inputs");
+    assert_eq!(s.sum("flotilla_acks_total", &[("kind", "nak")]), 0.0, "ordered inputs never nak");
+    assert!(all("flotilla_commit_seconds_count") >= 8.0, "a commit per partition at least");
+    assert!(all("flotilla_hook_seconds_count") >= 8.0, "init ran on every partition");
+    assert_eq!(s.sum("flotilla_leases_acquired_total", &[("stream", "relay-in")]), 8.0, "8 leases");
+    assert_eq!(s.sum("flotilla_partitions_owned", &[("stream", "relay-in")]), 8.0);
+    assert_eq!(all("flotilla_nats_connected"), 1.0);
+    assert_eq!(s.sum("flotilla_node_info", &[("node", "metrics-a"), ("flotilla_job", "relay")]), 1.0);
+    assert!(all("flotilla_node_start_time_seconds") > 1.7e9);
+    for p in 0..8 {
+        let p = p.to_string();
+        assert!(
+            s.samples.iter().any(|(n, l, _)| n == "flotilla_backlog_messages"
+                && l.get("partition") == Some(&p)
+                && l.get("stream").is_some_and(|x| x == "relay-in")),
+            "a backlog gauge for partition {p}"
+        );
+    }
+    assert!(s.has("flotilla_oldest_message_age_seconds") && s.has("flotilla_utilization_ratio"));
+    // Prometheus conventions: histograms with buckets, counters typed as counters.
+    assert_eq!(s.types.get("flotilla_process_seconds").map(String::as_str), Some("histogram"));
+    assert_eq!(s.types.get("flotilla_envelopes_total").map(String::as_str), Some("counter"));
+    assert_eq!(s.types.get("flotilla_backlog_messages").map(String::as_str), Some("gauge"));
+    assert!(
+        s.samples.iter().any(|(n, l, v)| n == "flotilla_process_seconds_bucket"
+            && l.get("le").map(String::as_str) == Some("+Inf")
+            && *v > 0.0),
+        "an +Inf bucket"
+    );
+
+    // /api/status is `status --json`: the same job, members and owners.
+    let status_url = format!("http://127.0.0.1:{port}/api/status");
+    let (code, body) = tokio::task::spawn_blocking(move || get(&status_url)).await.expect("get");
+    assert_eq!(code, 200, "{body}");
+    let api: serde_json::Value = serde_json::from_str(&body).expect("status JSON");
+    let out = c.relay_cmd(&["status", "--json"]);
+    assert!(out.status.success(), "status: {}", String::from_utf8_lossy(&out.stderr));
+    let cli: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json");
+    let keys = |v: &serde_json::Value| v.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
+    assert_eq!(keys(&api), keys(&cli), "the same fields");
+    for field in ["job", "members", "dlq", "run_id"] {
+        assert_eq!(api[field], cli[field], "{field}");
+    }
+    let owners = |v: &serde_json::Value| {
+        v["partitions"]
+            .as_array()
+            .map(|ps| ps.iter().map(|p| p["owner"].clone()).collect::<Vec<_>>())
+            .unwrap_or_default()
+    };
+    assert_eq!(owners(&api), owners(&cli));
+    assert_eq!(api["nodes"][0]["host"].as_str().map(str::is_empty), Some(false), "the node says its host");
+    assert!(api["nodes"][0]["started_ms"].as_u64().is_some_and(|ms| ms > 0), "and when it started");
+
+    // The dead letters, as `dlq list --json` lists them.
+    let dlq_url = format!("http://127.0.0.1:{port}/api/dlq");
+    let (code, body) = tokio::task::spawn_blocking(move || get(&dlq_url)).await.expect("get");
+    assert_eq!(code, 200, "{body}");
+    let entries: serde_json::Value = serde_json::from_str(&body).expect("dlq JSON");
+    assert_eq!(entries.as_array().map(Vec::len), Some(2), "{entries}");
+    assert_eq!(entries[0]["reason"], "max-attempts");
+}
+
+/// A bad `--http` address is refused at start with what to fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_that_cannot_be_served_is_refused_at_start() {
+    let mut c = RelayCluster::start(&[]).await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = taken.local_addr().expect("addr").port();
+    c.add_with("busy", http_launch(port));
+    let status = c.wait_exit_async("busy", Duration::from_secs(30)).await;
+    assert!(!status.success());
+    let log = c.log_text("busy");
+    assert!(log.contains(&format!("cannot listen on --http 127.0.0.1:{port}")), "{}", tail(&log, 20));
+}
+
+/// What the page's partition table shows: partition key → owner.
+fn page_owners(b: &Browser) -> Result<BTreeMap<String, String>, WebDriverError> {
+    let rows = b.eval(
+        "return [...document.querySelectorAll('#partitions tbody tr')].map(r => [r.dataset.key, r.querySelector('.owner').textContent]);",
+    )?;
+    Ok(rows
+        .as_array()
+        .map(|rows| rows.iter().filter_map(|r| Some((r[0].as_str()?.to_owned(), r[1].as_str()?.to_owned()))).collect())
+        .unwrap_or_default())
+}
+
+fn dlq_ids(b: &Browser) -> Result<Vec<String>, WebDriverError> {
+    let ids = b.eval("return [...document.querySelectorAll('#dlq tbody tr')].map(r => r.dataset.id);")?;
+    Ok(ids.as_array().map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()).unwrap_or_default())
+}
+
+fn screenshots() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&dir).expect("screenshot dir");
+    dir
+}
+
+/// Three relay nodes, each serving `--http`; the page of one of them, in a real
+/// headless Chromium: it shows every partition and node, sees a killed node's
+/// partitions move to the others, and replays a dead letter when its button is
+/// clicked (the entry leaves the list, on the page and in the stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_real_browser() {
+    let mut c = RelayCluster::start(&[]).await;
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    for (id, port) in ["dash-a", "dash-b", "dash-c"].into_iter().zip(&ports) {
+        c.add_with(id, http_launch(*port));
+    }
+    let owners = c.wait_balanced(&["dash-a", "dash-b", "dash-c"], Duration::from_secs(60)).await;
+    let out = c.relay_cmd(&["publish", "--count", "200", "--poison", "2"]);
+    assert!(out.status.success(), "publish: {}", String::from_utf8_lossy(&out.stderr));
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_relay-out", 198, Duration::from_secs(60)).await;
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_DLQ", 2, Duration::from_secs(30)).await;
+    let victim: Vec<u32> = owners.iter().filter(|(_, n)| *n == "dash-c").map(|(p, _)| *p).collect();
+    assert!(!victim.is_empty(), "dash-c owns partitions: {owners:?}");
+
+    let dir = screenshots();
+    let url = format!("http://127.0.0.1:{}/", ports[0]);
+    let browser = tokio::task::spawn_blocking(move || {
+        let b = Browser::start(&dir).unwrap_or_else(|e| panic!("a real browser for the dashboard test: {e}"));
+        b.goto(&url).expect("open the dashboard");
+        b.wait_for("every partition owned, three nodes listed", Duration::from_secs(30), |b| {
+            let owners = page_owners(b)?;
+            let nodes = b.texts("#nodes tbody tr td:first-child")?;
+            Ok((owners.len() == 8 && owners.values().all(|o| o.starts_with("dash-")) && nodes.len() == 3).then_some(()))
+        })
+        .expect("the page shows the cluster");
+        let shown = page_owners(&b).expect("owners");
+        let shot = b.screenshot("1-three-nodes").expect("screenshot");
+        eprintln!("screenshot: {}", shot.display());
+        (b, shown)
+    })
+    .await
+    .expect("browser");
+    let (b, shown) = browser;
+    for p in &victim {
+        assert_eq!(shown.get(&format!("relay-in/{p}")).map(String::as_str), Some("dash-c"), "{shown:?}");
+    }
+
+    // kill -9 dash-c: its partitions move once its leases run out (3 s here).
+    c.signal("dash-c", "KILL");
+    let b = tokio::task::spawn_blocking(move || {
+        let moved = b
+            .wait_for("dash-c's partitions owned by the live nodes", Duration::from_secs(60), |b| {
+                let owners = page_owners(b)?;
+                Ok((owners.len() == 8 && owners.values().all(|o| o == "dash-a" || o == "dash-b")).then_some(owners))
+            })
+            .expect("the page shows the partitions moved");
+        let events = b.texts("#events li").expect("events");
+        let shot = b.screenshot("2-partitions-moved").expect("screenshot");
+        eprintln!("screenshot: {}", shot.display());
+        (b, moved, events)
+    })
+    .await
+    .expect("browser");
+    let (b, moved, events) = b;
+    let live = c.owners().await;
+    for p in &victim {
+        let owner = &moved[&format!("relay-in/{p}")];
+        assert_eq!(live.get(p).map(|(n, _)| n), Some(owner), "the page shows the lease's owner");
+    }
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("relay-in/")
+                && (e.contains("moved") || e.contains("taken by") || e.contains("no owner"))),
+        "the events list the moves: {events:?}"
+    );
+
+    // Replay one dead letter by clicking its button.
+    let (b, clicked) = tokio::task::spawn_blocking(move || {
+        let ids = b
+            .wait_for("two dead letters listed", Duration::from_secs(30), |b| {
+                let ids = dlq_ids(b)?;
+                Ok((ids.len() >= 2).then_some(ids))
+            })
+            .expect("the DLQ on the page");
+        let clicked = ids[0].clone();
+        let buttons = b.find_all(&format!("#dlq tbody tr[data-id='{clicked}'] button.replay")).expect("button");
+        assert_eq!(buttons.len(), 1, "one replay button for entry {clicked}");
+        b.click(&buttons[0]).expect("click replay");
+        // Gone from the page, and still gone after the next polls re-read the stream.
+        b.wait_for("the replayed entry gone", Duration::from_secs(10), |b| {
+            Ok((!dlq_ids(b)?.contains(&clicked)).then_some(()))
+        })
+        .expect("the entry leaves the list");
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(!dlq_ids(&b).expect("ids").contains(&clicked), "the stream no longer holds entry {clicked}");
+        let shot = b.screenshot("3-dead-letter-replayed").expect("screenshot");
+        eprintln!("screenshot: {}", shot.display());
+        (b, clicked)
+    })
+    .await
+    .expect("browser");
+    drop(b);
+    // The replayed record went back to its partition (it is poison, so it fails its
+    // attempts again and comes back as a new entry with a new id).
+    let id: u64 = clicked.parse().expect("a numeric id");
+    let letters = flotilla_node::dlq::DeadLetters::new(c.broker.clone(), "relay").expect("dlq");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = letters.list(None, None, 100).await.expect("list");
+        assert!(now.iter().all(|e| e.id != id), "entry {id} was replayed and deleted");
+        if now.iter().any(|e| e.id > 2) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the replayed record never ran again: {now:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
