@@ -28,6 +28,7 @@ pub mod supervise;
 pub mod task;
 pub mod task_worker;
 pub mod timer_service;
+pub mod trace;
 
 pub use config::{FailurePolicy, TaskConfig};
 pub use flotilla_transport::SharedBroker;

@@ -621,6 +621,12 @@ impl TaskContext {
         }
     }
 
+    /// The same context, its outputs carrying `traceparent` (the span that made them).
+    pub(crate) fn with_traceparent(mut self, traceparent: String) -> Self {
+        self.outputs.traceparent = Some(std::sync::Arc::from(traceparent));
+        self
+    }
+
     /// The same context for a task of `input`.
     pub(crate) fn with_input(mut self, input: &'static str) -> Self {
         self.input = Some(input);

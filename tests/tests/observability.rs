@@ -346,3 +346,44 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+/// A record that carries a W3C `traceparent` is processed in a span of its trace: its
+/// output carries the same trace id with the `process` span as its parent (so the
+/// next task, on any node, continues the trace), and a poison record's dead letter
+/// continues it too (a replay starts from there). A record without one gets none
+/// added while nothing collects spans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_continues_from_a_record_to_its_output_and_its_dead_letter() {
+    use flotilla_actors::trace::TraceContext;
+    use flotilla_tests::relay_cluster::{read_stream, record, record_with};
+    use flotilla_transport::wire::headers;
+    let c = RelayCluster::start(&["trace-a"]).await;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let parent = "00f067aa0ba902b7";
+    let traced = |m: flotilla_transport::broker::OutboundMessage| {
+        m.with_header(headers::TRACEPARENT, format!("00-{trace}-{parent}-01"))
+    };
+    let batch = vec![traced(record(1)), record(2), traced(record_with(3, "poison"))];
+    for r in c.broker.publish_batch(batch).await {
+        r.expect("published");
+    }
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_relay-out", 2, Duration::from_secs(60)).await;
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_DLQ", 1, Duration::from_secs(60)).await;
+
+    let out = read_stream(&c.broker, "FLOTILLA_relay_relay-out").await;
+    let by_key: BTreeMap<String, Option<String>> = out
+        .iter()
+        .map(|(_, h, _, _)| {
+            (h.get(headers::KEY).unwrap_or_default().to_owned(), h.get(headers::TRACEPARENT).map(str::to_owned))
+        })
+        .collect();
+    let continued = by_key["1"].as_deref().and_then(TraceContext::parse).expect("record 1's output is traced");
+    assert_eq!(format!("{:032x}", continued.trace_id), trace, "the same trace");
+    assert_ne!(format!("{:016x}", continued.span_id), parent, "its parent is the process span, not the producer");
+    assert_eq!(by_key["2"], None, "no trace is started while nothing collects spans");
+
+    let dead = read_stream(&c.broker, "FLOTILLA_relay_DLQ").await;
+    let letter = dead[0].1.get(headers::TRACEPARENT).and_then(TraceContext::parse).expect("the dead letter is traced");
+    assert_eq!(format!("{:032x}", letter.trace_id), trace);
+    assert_ne!(letter.span_id, continued.span_id);
+}

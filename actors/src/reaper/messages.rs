@@ -18,6 +18,8 @@ pub struct DeadLetter {
     /// Attempts the task made (0 when it never ran: malformed, for one); `None` when
     /// nobody knows (a message the server stopped delivering).
     pub attempts: Option<u32>,
+    /// The trace of the attempt that gave up (the dead letter continues it).
+    pub trace: Option<crate::trace::TraceContext>,
 }
 
 /// Sweep a queue input for messages stranded at max deliveries.

@@ -19,7 +19,7 @@ use crate::events::{Event, emit};
 use actix::prelude::*;
 use flotilla_transport::broker::{BrokerError, Delivery, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{StreamName, Subjects, headers};
-use tracing::debug;
+use tracing::{Instrument, debug};
 
 /// The reaper actor.
 #[derive(Debug)]
@@ -47,6 +47,10 @@ fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<Outbound
     if let Some(attempts) = msg.attempts {
         out.headers.insert(headers::DLQ_ATTEMPTS, attempts.to_string());
     }
+    if let Some(trace) = msg.trace {
+        // A replay continues the trace from the dead letter.
+        out.headers.insert(headers::TRACEPARENT, trace.header());
+    }
     Ok(out)
 }
 
@@ -71,22 +75,43 @@ impl Handler<DeadLetter> for Reaper {
     fn handle(&mut self, msg: DeadLetter, _: &mut Context<Self>) -> Self::Result {
         let broker = self.broker.clone();
         let subjects = self.subjects.clone();
-        Box::pin(async move {
-            let out = dead_letter_message(&subjects, &msg)?;
-            broker.publish(out).await?;
-            emit(
-                &broker,
-                &subjects,
-                Event::DeadLettered {
-                    stream: msg.stream,
-                    partition: msg.partition,
-                    seq: msg.delivery.info.stream_seq,
-                    reason: msg.reason.to_owned(),
-                    detail: msg.detail,
-                },
-            );
-            Ok(())
-        })
+        // A child of the attempt's span, across the worker and this actor.
+        let span = tracing::info_span!(
+            parent: None,
+            "dead_letter",
+            stream = %msg.stream,
+            partition = msg.partition,
+            seq = msg.delivery.info.stream_seq,
+            reason = msg.reason,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
+            parent_id = tracing::field::Empty,
+        );
+        let mut msg = msg;
+        if let Some(parent) = msg.trace {
+            let this = parent.child();
+            crate::trace::record(&span, &this, Some(&parent));
+            msg.trace = Some(this);
+        }
+        Box::pin(
+            async move {
+                let out = dead_letter_message(&subjects, &msg)?;
+                broker.publish(out).await?;
+                emit(
+                    &broker,
+                    &subjects,
+                    Event::DeadLettered {
+                        stream: msg.stream,
+                        partition: msg.partition,
+                        seq: msg.delivery.info.stream_seq,
+                        reason: msg.reason.to_owned(),
+                        detail: msg.detail,
+                    },
+                );
+                Ok(())
+            }
+            .instrument(span),
+        )
     }
 }
 
@@ -129,6 +154,7 @@ impl Handler<Sweep> for Reaper {
                     reason: "max-deliveries",
                     detail: "stranded in the stream after the consumer's max deliveries".into(),
                     attempts: None,
+                    trace: None,
                 };
                 broker.publish(dead_letter_message(&subjects, &letter)?).await?;
                 broker.delete_message(&msg.js_stream, seq).await?;

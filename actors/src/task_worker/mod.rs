@@ -55,6 +55,7 @@ use crate::stream::StreamKind;
 use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
+use crate::trace::TraceContext;
 use actix::prelude::*;
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
@@ -67,7 +68,7 @@ use std::sync::Arc;
 use std::task::{Poll, Waker};
 use std::time::Duration;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{Instrument, debug, info, warn};
 
 /// The job's KV bucket of suspects ([`SuspectRecord`] per partition).
 pub const SUSPECTS: &str = "SUSPECTS";
@@ -150,6 +151,8 @@ struct Envelope {
     backing_off: bool,
     /// The task's `process` ran for its current attempt (it decoded).
     ran: bool,
+    /// The trace context of its current attempt (see [`crate::trace`]).
+    trace: Option<TraceContext>,
 }
 
 /// Outputs waiting to be published, and what they belong to.
@@ -309,8 +312,8 @@ pub struct TaskWorker<T: Task> {
     hook_at: (u64, u32),
     /// What this task's work is measured by.
     metrics: TaskMetrics,
-    /// When the commit under way began.
-    commit_started: Option<Instant>,
+    /// When the commit under way began, and its span.
+    commit_started: Option<(Instant, tracing::Span)>,
 }
 
 /// The kind an acknowledgement counts as in [`crate::metrics::names::ACKS`].
@@ -591,7 +594,15 @@ impl<T: Task> TaskWorker<T> {
     /// whose outputs are not stored yet, so the state it writes is that of exactly the
     /// inputs it acknowledges.
     fn commit_then(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
-        self.commit_started.get_or_insert_with(Instant::now);
+        if self.commit_started.is_none() {
+            let span = tracing::debug_span!(
+                "commit",
+                stream = self.binding.stream,
+                partition = self.binding.partition,
+                uncommitted = self.state.uncommitted_count(0),
+            );
+            self.commit_started = Some((Instant::now(), span));
+        }
         let Some(d) = &mut self.durable else {
             let positions = self.state.committable().clone();
             self.commit_positions(positions);
@@ -660,7 +671,8 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let bucket = self.env.subjects.bucket_name(crate::store::STATE);
-        let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone());
+        let span = self.commit_started.as_ref().map_or_else(tracing::Span::none, |(_, s)| s.clone());
+        let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone()).instrument(span);
         let sent = Instant::now();
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
             if act.finished {
@@ -729,8 +741,10 @@ impl<T: Task> TaskWorker<T> {
     }
 
     fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
-        if let Some(started) = self.commit_started.take() {
+        if let Some((started, span)) = self.commit_started.take() {
             self.metrics.commit.record(started.elapsed().as_secs_f64());
+            // The span closes here: its duration is the commit's.
+            drop(span);
         }
         match then {
             AfterCommit::Drive => self.drive(ctx),
@@ -841,6 +855,7 @@ impl<T: Task> TaskWorker<T> {
                         applied: false,
                         backing_off: false,
                         ran: false,
+                        trace: None,
                     };
                     let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     let seq = envelope.delivery.info.stream_seq;
@@ -1155,7 +1170,20 @@ impl<T: Task> TaskWorker<T> {
         if let Some(e) = self.inflight.get_mut(&order) {
             e.ran = true;
         }
-        let Some(envelope) = self.inflight.get(&order) else { return };
+        let Some(envelope) = self.inflight.get_mut(&order) else { return };
+        let d = &envelope.delivery;
+        let span = tracing::debug_span!(
+            "process",
+            stream = self.binding.stream,
+            partition = self.binding.partition,
+            seq = d.info.stream_seq,
+            attempt = envelope.attempt,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
+            parent_id = tracing::field::Empty,
+        );
+        envelope.trace = crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT));
+        let trace = envelope.trace;
         let d = &envelope.delivery;
         let meta = MessageMeta {
             // A message that was parked keeps the id it had.
@@ -1174,6 +1202,10 @@ impl<T: Task> TaskWorker<T> {
         };
         let Some(mut task) = self.task.take() else { return };
         let mut tctx = self.context(Some(meta));
+        if let Some(t) = trace {
+            // Outputs continue the trace with this message's span as their parent.
+            tctx = tctx.with_traceparent(t.header());
+        }
         let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
             let result = match input {
                 Call::Process(input) => Supervised::new(task.process(input, &mut tctx)).await,
@@ -1185,12 +1217,16 @@ impl<T: Task> TaskWorker<T> {
         // instead of paying a spawn and a later poll per message. A handler that does
         // wait is spawned and polled again with the actor's waker (a future re-registers
         // its waker on every poll, so the first, no-op waker is never relied on).
-        if let Poll::Ready(processed) = fut.as_mut().poll(&mut std::task::Context::from_waker(Waker::noop())) {
+        let polled = {
+            let _in_span = span.enter();
+            fut.as_mut().poll(&mut std::task::Context::from_waker(Waker::noop()))
+        };
+        if let Poll::Ready(processed) = polled {
             // The caller's loop goes on with the next operation.
             self.processed(order, processed, ctx);
             return;
         }
-        ctx.spawn(fut.into_actor(self).map(move |processed, act, ctx| {
+        ctx.spawn(fut.instrument(span).into_actor(self).map(move |processed, act, ctx| {
             act.processed(order, processed, ctx);
             act.drive(ctx);
         }));
@@ -1498,6 +1534,7 @@ impl<T: Task> TaskWorker<T> {
             detail: detail.clone(),
             // The attempts before this one, and this one if `process` ran for it.
             attempts: Some(envelope.attempt.saturating_sub(1) + u32::from(envelope.ran)),
+            trace: envelope.trace,
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
@@ -1564,6 +1601,19 @@ impl<T: Task> TaskWorker<T> {
         }
         let label = kind.label();
         let started = Instant::now();
+        let span = tracing::info_span!(
+            "hook",
+            hook = label,
+            stream = self.binding.stream,
+            partition = self.binding.partition,
+            trace_id = tracing::field::Empty,
+            span_id = tracing::field::Empty,
+        );
+        if !span.is_disabled() {
+            let trace = TraceContext::root();
+            crate::trace::record(&span, &trace, None);
+            tctx = tctx.with_traceparent(trace.header());
+        }
         let fut = async move {
             let result = Supervised::new(async {
                 match hook {
@@ -1584,7 +1634,7 @@ impl<T: Task> TaskWorker<T> {
             .await;
             (task, tctx, result)
         };
-        ctx.spawn(fut.into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
+        ctx.spawn(fut.instrument(span).into_actor(self).map(move |(task, mut tctx, result), act, ctx| {
             act.task = Some(task);
             act.metrics.hook(label, started.elapsed());
             act.apply_requests(&mut tctx);
