@@ -92,10 +92,10 @@ impl TraceContext {
     }
 }
 
-/// Called for each span this crate opens with a trace context: `(span, its context,
-/// its remote parent)`. The node's OTLP exporter sets it to give the exported span
-/// these ids.
-pub type SpanHook = fn(&tracing::Span, &TraceContext, Option<&TraceContext>);
+/// Called for each collected span this crate opens in a trace, with its remote parent
+/// (if any); returns the span's own context when an exporter made it (its ids are then
+/// the ones exported, and the ones outputs carry). The node's OTLP exporter sets it.
+pub type SpanHook = fn(&tracing::Span, Option<&TraceContext>) -> Option<TraceContext>;
 
 static SPAN_HOOK: OnceLock<SpanHook> = OnceLock::new();
 
@@ -108,27 +108,31 @@ pub fn set_span_hook(hook: SpanHook) {
 /// trace, or starts one when the span is collected. Records the ids on the span.
 pub fn message_context(span: &tracing::Span, input: Option<&str>) -> Option<TraceContext> {
     let parent = input.and_then(TraceContext::parse);
-    let this = match parent {
-        Some(p) => p.child(),
-        None if !span.is_disabled() => TraceContext::root(),
-        None => return None,
-    };
-    record(span, &this, parent.as_ref());
-    Some(this)
+    open(span, parent, true)
 }
 
-/// Records `this` (and `parent`) on `span`, and calls the span hook.
-pub fn record(span: &tracing::Span, this: &TraceContext, parent: Option<&TraceContext>) {
-    if !span.is_disabled() {
+/// The trace context of `span`: a child of `parent`, or (with `start`, when the span is
+/// collected) a new trace, or none. Records the ids on the span.
+pub fn open(span: &tracing::Span, parent: Option<TraceContext>, start: bool) -> Option<TraceContext> {
+    let collected = !span.is_disabled();
+    let exported = match SPAN_HOOK.get() {
+        Some(hook) if collected => hook(span, parent.as_ref()),
+        _ => None,
+    };
+    let this = match (exported, parent) {
+        (Some(this), _) => this,
+        (None, Some(p)) => p.child(),
+        (None, None) if start && collected => TraceContext::root(),
+        (None, None) => return None,
+    };
+    if collected {
         span.record("trace_id", tracing::field::display(this.trace_hex()));
         span.record("span_id", tracing::field::display(this.span_hex()));
         if let Some(p) = parent {
             span.record("parent_id", tracing::field::display(p.span_hex()));
         }
     }
-    if let Some(hook) = SPAN_HOOK.get() {
-        hook(span, this, parent);
-    }
+    Some(this)
 }
 
 #[cfg(test)]

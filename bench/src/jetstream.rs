@@ -605,6 +605,34 @@ pub async fn run(s: &Settings, only: &dyn Fn(&str) -> bool) -> anyhow::Result<Ve
         pairs.push(p);
         pairs.push(same_headers);
     }
+    if only("metrics") {
+        crate::metrics_pair::install()?;
+        for (kind, ordered) in [("queue", false), ("ordered", true)] {
+            let mut p = Pair::new(
+                &format!("{kind}, no-op task, with the Prometheus exporter scraped every second"),
+                &format!("the same Flotilla {kind} round without a recorder (a node without --http)"),
+                ">= 0.95x",
+            );
+            for round in 0..s.rounds {
+                let (off, on) = if ordered {
+                    let off = flotilla_ordered_round(s, &format!("mo{round}"), &body).await?;
+                    let exporting = crate::metrics_pair::Exporting::start();
+                    let on = flotilla_ordered_round(s, &format!("me{round}"), &body).await?;
+                    exporting.stop();
+                    (off, on)
+                } else {
+                    let off = flotilla_queue_round(s, &format!("mq{round}"), &body).await?;
+                    let exporting = crate::metrics_pair::Exporting::start();
+                    let on = flotilla_queue_round(s, &format!("mx{round}"), &body).await?;
+                    exporting.stop();
+                    (off, on)
+                };
+                p.push(off, on);
+                progress_line(&p, round);
+            }
+            pairs.push(p);
+        }
+    }
     if only("latency") {
         let mut p = Pair::new(
             &format!("latency at {} msgs/s offered", s.latency_rate),

@@ -19,6 +19,7 @@ mod embedded;
 mod failover;
 mod jetstream;
 mod memory;
+mod metrics_pair;
 mod report;
 mod restore;
 mod workload;
@@ -30,7 +31,7 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 const PAIRS: &[&str] =
-    &["queue", "ordered", "state", "publish", "latency", "embedded", "restore", "memory", "failover"];
+    &["queue", "ordered", "state", "publish", "metrics", "latency", "embedded", "restore", "memory", "failover"];
 
 #[derive(Parser)]
 #[command(about = "Flotilla against raw async-nats and raw actix, side by side")]
@@ -71,8 +72,8 @@ struct Args {
     /// Lease TTL of the failover nodes.
     #[arg(long, value_parser = parse_duration)]
     lease_ttl: Option<Duration>,
-    /// Run only these pairs (comma-separated): queue, ordered, state, publish, latency, embedded, restore,
-    /// memory, failover.
+    /// Run only these pairs (comma-separated): queue, ordered, state, publish, metrics, latency, embedded,
+    /// restore, memory, failover.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// The state pair's distinct keys: each message updates its key modulo this (0:
@@ -170,7 +171,7 @@ fn main() -> anyhow::Result<()> {
     let system = actix::System::new();
     let result = system.block_on(async move {
         let mut pairs = Vec::new();
-        if ["queue", "ordered", "state", "publish", "latency"].iter().any(|p| only(p)) {
+        if ["queue", "ordered", "state", "publish", "metrics", "latency"].iter().any(|p| only(p)) {
             let server = flotilla_tests::NatsServer::start();
             let s = jetstream::Settings { url: server.url(), server_pid: server.pid(), ..settings.clone() };
             pairs.extend(jetstream::run(&s, &only).await?);

@@ -11,6 +11,7 @@
 //! log_json = false
 //! replicas = 3                   # copies of every stream and bucket (a NATS cluster of 3+)
 //! http = "127.0.0.1:9090"        # serve /metrics, /api/status and the dashboard here
+//! otlp_endpoint = "http://127.0.0.1:4318"   # export spans (a binary built with feature otlp)
 //!
 //! [connect]
 //! user = "flotilla"
@@ -174,6 +175,8 @@ pub struct NodeConfig {
     /// Where to serve `/metrics`, `/api/status` and the dashboard (`host:port`; none
     /// by default).
     pub http: Option<String>,
+    /// Where to export spans over OTLP/HTTP (binaries built with the `otlp` feature).
+    pub otlp_endpoint: Option<String>,
     /// NATS connection settings.
     #[serde(default)]
     pub connect: ConnectConfig,
@@ -220,6 +223,7 @@ impl NodeConfig {
             log_json: self.log_json.or(lower.log_json),
             replicas: self.replicas.or(lower.replicas),
             http: self.http.or(lower.http),
+            otlp_endpoint: self.otlp_endpoint.or(lower.otlp_endpoint),
             connect: ConnectConfig {
                 user: c.user.or(l.user),
                 password: c.password.or(l.password),

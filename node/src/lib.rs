@@ -33,6 +33,8 @@ pub mod connect;
 pub mod control;
 pub mod dlq;
 pub mod http;
+#[cfg(feature = "otlp")]
+pub mod otlp;
 pub mod publish;
 pub mod runner;
 pub mod top;

@@ -75,6 +75,10 @@ pub struct NodeArgs {
     /// (`host:port`, e.g. 127.0.0.1:9090; port 0 picks a free one).
     #[arg(long, env = "FLOTILLA_HTTP", global = true, value_name = "ADDR")]
     pub http: Option<String>,
+    /// Export the run loop's spans over OTLP/HTTP to this collector (e.g.
+    /// http://127.0.0.1:4318; needs a binary built with the `otlp` cargo feature).
+    #[arg(long, env = "FLOTILLA_OTLP_ENDPOINT", global = true, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl NodeArgs {
@@ -88,6 +92,7 @@ impl NodeArgs {
             log_json: self.log_json,
             replicas: self.replicas,
             http: self.http.clone(),
+            otlp_endpoint: self.otlp_endpoint.clone(),
             connect: ConnectConfig {
                 user: self.nats_user.clone(),
                 password: self.nats_password.clone(),
@@ -206,6 +211,9 @@ pub enum NodeError {
     /// The HTTP endpoint could not start.
     #[error(transparent)]
     Http(#[from] crate::http::HttpError),
+    /// Spans cannot be exported as asked.
+    #[error("{0}")]
+    Otlp(String),
 }
 
 // `main` prints a returned error with `Debug`: make that the readable message.
@@ -220,13 +228,57 @@ impl std::fmt::Debug for NodeError {
 /// # Errors
 /// [`NodeError::LogFilter`] when the filter does not parse.
 pub fn init_logging(config: &NodeConfig) -> Result<(), NodeError> {
+    init_telemetry(config, "", "").map(drop)
+}
+
+/// Keeps span export running; dropping it flushes what is left (the end of a run).
+#[derive(Debug, Default)]
+pub struct TelemetryGuard {
+    #[cfg(feature = "otlp")]
+    _otlp: Option<crate::otlp::OtlpGuard>,
+}
+
+/// Sets up logging and, with `otlp_endpoint` (and the `otlp` feature), span export
+/// for node `node` of `job`. Once per process; later calls keep the first.
+///
+/// # Errors
+/// [`NodeError::LogFilter`] when the filter does not parse; [`NodeError::Otlp`] when
+/// spans cannot be exported as asked.
+pub fn init_telemetry(config: &NodeConfig, job: &str, node: &str) -> Result<TelemetryGuard, NodeError> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_new(config.log_filter())
         .map_err(|e| NodeError::LogFilter { filter: config.log_filter().to_owned(), reason: e.to_string() })?;
     // Colour only on a terminal: escapes in a log file or a pipe are noise.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi);
-    let _ = if config.log_json.unwrap_or(false) { builder.json().try_init() } else { builder.try_init() };
-    Ok(())
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
+    let fmt = if config.log_json.unwrap_or(false) { fmt.json().boxed() } else { fmt.boxed() };
+    // The log filter applies to the log only: an exporter takes the spans it wants.
+    let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    #[cfg(feature = "otlp")]
+    {
+        let (otlp, guard) = match &config.otlp_endpoint {
+            Some(endpoint) => {
+                let (layer, guard) = crate::otlp::layer(endpoint, job, node).map_err(NodeError::Otlp)?;
+                (Some(layer), Some(guard))
+            }
+            None => (None, None),
+        };
+        let _ = registry.with(otlp).try_init();
+        Ok(TelemetryGuard { _otlp: guard })
+    }
+    #[cfg(not(feature = "otlp"))]
+    {
+        let _ = (job, node);
+        if let Some(endpoint) = &config.otlp_endpoint {
+            return Err(NodeError::Otlp(format!(
+                "--otlp-endpoint {endpoint}: this binary was built without span export; build it with the `otlp` cargo feature (`flotilla = {{ features = [\"otlp\"] }}`, or `--features flotilla/otlp`), or drop the setting"
+            )));
+        }
+        let _ = registry.try_init();
+        Ok(TelemetryGuard::default())
+    }
 }
 
 /// What a driver gets while the job runs.
@@ -255,7 +307,8 @@ where
     Fut: Future<Output = ()> + 'static,
 {
     let config = args.resolve()?;
-    init_logging(&config)?;
+    let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
+    let _telemetry = init_telemetry(&config, job.name(), &node_id)?;
     exit_on_panic_outside_tasks();
     // Installed before the job starts: the actors' metric handles are made then.
     let recorder = match &config.http {
@@ -264,7 +317,6 @@ where
     };
     let system = actix::System::new();
     system.block_on(async move {
-        let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
         let broker = connect_config(&config, &node_id).await?;
         let embedded = config.urls().is_empty();
         let job = match &config.run_id {

@@ -88,11 +88,7 @@ impl Handler<DeadLetter> for Reaper {
             parent_id = tracing::field::Empty,
         );
         let mut msg = msg;
-        if let Some(parent) = msg.trace {
-            let this = parent.child();
-            crate::trace::record(&span, &this, Some(&parent));
-            msg.trace = Some(this);
-        }
+        msg.trace = crate::trace::open(&span, msg.trace, false);
         Box::pin(
             async move {
                 let out = dead_letter_message(&subjects, &msg)?;

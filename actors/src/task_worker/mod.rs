@@ -1609,9 +1609,7 @@ impl<T: Task> TaskWorker<T> {
             trace_id = tracing::field::Empty,
             span_id = tracing::field::Empty,
         );
-        if !span.is_disabled() {
-            let trace = TraceContext::root();
-            crate::trace::record(&span, &trace, None);
+        if let Some(trace) = crate::trace::open(&span, None, true) {
             tctx = tctx.with_traceparent(trace.header());
         }
         let fut = async move {
