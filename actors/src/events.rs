@@ -3,7 +3,7 @@
 use flotilla_transport::broker::{CoreMessage, SharedBroker};
 use flotilla_transport::wire::Subjects;
 use serde::Serialize;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// Something operators want to know about.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -91,6 +91,41 @@ pub enum Event {
         /// Messages waiting across the job's inputs on this node.
         total_backlog: u64,
     },
+    /// A node took a partition's lease.
+    PartitionAcquired {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// The node that took it.
+        node: String,
+        /// Its lease epoch.
+        epoch: u64,
+        /// `assigned` (the plan gives it this node), `unclaimed` (nobody held it for a
+        /// lease TTL: its owner died or left) or `takeover` (left by this node id's
+        /// previous process).
+        how: String,
+    },
+    /// A node lost a partition's lease (not renewed in time, or membership lost).
+    PartitionLost {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// The node that lost it.
+        node: String,
+        /// Why.
+        why: String,
+    },
+    /// A node handed a partition over (rebalance, stop, drain, end of stream).
+    PartitionReleased {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// The node that released it.
+        node: String,
+    },
 }
 
 impl Event {
@@ -105,6 +140,9 @@ impl Event {
             Event::Recovered { .. } => "recovered",
             Event::StateRestored { .. } => "state_restored",
             Event::StateRestoreFailed { .. } => "state_restore_failed",
+            Event::PartitionAcquired { .. } => "partition_acquired",
+            Event::PartitionLost { .. } => "partition_lost",
+            Event::PartitionReleased { .. } => "partition_released",
         }
     }
 }
@@ -125,6 +163,10 @@ pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
     // The event as JSON: one line per event, readable by people and by log tools.
     let detail = String::from_utf8_lossy(&payload);
     match &event {
+        // The membership actor logs lease changes in its own words.
+        Event::PartitionAcquired { .. } | Event::PartitionLost { .. } | Event::PartitionReleased { .. } => {
+            debug!(event = kind, %detail, "flotilla event")
+        }
         Event::QueueAvailable { .. } | Event::Recovered { .. } | Event::StateRestored { .. } => {
             info!(event = kind, %detail, "flotilla event")
         }

@@ -134,7 +134,7 @@ fn with(base: &[(&'static str, String)], key: &'static str, value: &str) -> Vec<
 /// Nanoseconds spent in task callbacks in this process (for the utilisation gauge).
 static BUSY_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// Reads [`BUSY_NANOS`] for a utilisation reading over an interval.
+/// Reads the time spent in task callbacks for a utilisation reading over an interval.
 #[derive(Debug)]
 pub struct Utilization {
     last_busy: u64,

@@ -189,6 +189,14 @@ async fn metrics_are_scraped_and_count_exactly_what_the_node_did() {
     assert_eq!(api["nodes"][0]["host"].as_str().map(str::is_empty), Some(false), "the node says its host");
     assert!(api["nodes"][0]["started_ms"].as_u64().is_some_and(|ms| ms > 0), "and when it started");
 
+    // `top --once`: the same view in a terminal (one screen, rates over an interval).
+    let out = c.relay_cmd(&["top", "--once", "--interval", "1s"]);
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "top: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(screen.contains("flotilla top — job relay") && screen.contains("dead letters 2"), "{screen}");
+    assert!((0..8).all(|p| screen.contains(&format!("relay-in/{p}"))), "every partition: {screen}");
+    assert!(screen.contains("metrics-a") && !screen.contains('\x1b'), "no escapes in a pipe: {screen}");
+
     // The dead letters, as `dlq list --json` lists them.
     let dlq_url = format!("http://127.0.0.1:{port}/api/dlq");
     let (code, body) = tokio::task::spawn_blocking(move || get(&dlq_url)).await.expect("get");
@@ -297,13 +305,14 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
         let owner = &moved[&format!("relay-in/{p}")];
         assert_eq!(live.get(p).map(|(n, _)| n), Some(owner), "the page shows the lease's owner");
     }
-    assert!(
-        events
-            .iter()
-            .any(|e| e.contains("relay-in/")
-                && (e.contains("moved") || e.contains("taken by") || e.contains("no owner"))),
-        "the events list the moves: {events:?}"
-    );
+    for p in &victim {
+        let taken = format!("relay-in/{p} taken by {}", moved[&format!("relay-in/{p}")]);
+        assert!(
+            events.iter().any(|e| e.contains("partition_acquired") && e.contains(&taken)),
+            "the events list the move of partition {p} ({taken}): {events:?}"
+        );
+    }
+    assert!(events.iter().any(|e| e.contains("node dash-c left")), "and the node leaving: {events:?}");
 
     // Replay one dead letter by clicking its button.
     let (b, clicked) = tokio::task::spawn_blocking(move || {

@@ -33,6 +33,7 @@ use crate::cluster::{
     NodeStatus, PauseRecord, RequestRecord, keys,
 };
 use crate::container::{AddSlot, Container, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
+use crate::events::{Event, emit};
 use crate::reaper::{AcquireLease, Reaper, Tidy};
 use crate::task_worker::Outcome;
 use crate::timer_service::{Every, Tick, TimerService};
@@ -560,6 +561,13 @@ impl Membership {
         if let Some(h) = self.held.remove(part) {
             warn!(stream = %part.0, partition = part.1, epoch = h.epoch, why, "partition lost");
             crate::metrics::lease_lost(&part.0);
+            let event = Event::PartitionLost {
+                stream: part.0.clone(),
+                partition: part.1,
+                node: self.s.node.clone(),
+                why: why.to_owned(),
+            };
+            emit(&self.s.broker, &self.s.subjects, event);
             self.report_owned();
             h.fence.revoke();
             if let Some(slot) = h.slot {
@@ -632,6 +640,17 @@ impl Membership {
             };
             info!(stream = %part.0, partition = part.1, epoch = revision, how, "lease acquired");
             crate::metrics::lease_acquired(&part.0, how);
+            emit(
+                &act.s.broker,
+                &act.s.subjects,
+                Event::PartitionAcquired {
+                    stream: part.0.clone(),
+                    partition: part.1,
+                    node: act.s.node.clone(),
+                    epoch: revision,
+                    how: how.to_owned(),
+                },
+            );
             act.unleased_since.remove(&part);
             act.held.insert(part.clone(), Held::new(revision, fence));
             act.report_owned();
@@ -661,6 +680,8 @@ impl Membership {
         let Some(h) = self.held.remove(part) else { return };
         h.fence.revoke();
         crate::metrics::lease_released(&part.0);
+        let event = Event::PartitionReleased { stream: part.0.clone(), partition: part.1, node: self.s.node.clone() };
+        emit(&self.s.broker, &self.s.subjects, event);
         self.report_owned();
         if let Some(slot) = h.slot {
             self.slot_of.remove(&slot);

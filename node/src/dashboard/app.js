@@ -37,12 +37,8 @@ function diff(status, now) {
     const k = key(p);
     const old = before.get(k);
     if (!old) continue;
-    if (old.owner !== p.owner) {
-      movedAt.set(k, now);
-      if (p.owner && old.owner) note("lease_moved", `${k} moved from ${old.owner} to ${p.owner} (epoch ${p.epoch ?? "?"})`, "warn");
-      else if (p.owner) note("lease_acquired", `${k} taken by ${p.owner} (epoch ${p.epoch ?? "?"})`, "info");
-      else note("lease_lost", `${k} has no owner (was ${old.owner})`, "bad");
-    }
+    // The moves themselves come as events (partition_acquired, _lost, _released).
+    if (old.owner !== p.owner) movedAt.set(k, now);
     const delta = p.deliveries - old.deliveries;
     rates[k] = old.owner === p.owner && delta >= 0 && dt > 0 ? delta / dt : null;
   }
@@ -119,10 +115,13 @@ function describe(e) {
     case "task_failed": return `${e.stream}${e.partition != null ? "/" + e.partition : ""}: ${e.reason}`;
     case "state_restored": return `${e.stream}/${e.partition}: ${num(e.keys)} keys in ${e.millis} ms`;
     case "state_restore_failed": return `${e.stream}/${e.partition}: ${e.error}`;
+    case "partition_acquired": return `${e.stream}/${e.partition} taken by ${e.node} (epoch ${e.epoch}, ${e.how})`;
+    case "partition_lost": return `${e.stream}/${e.partition} lost by ${e.node}: ${e.why}`;
+    case "partition_released": return `${e.stream}/${e.partition} handed over by ${e.node}`;
     default: return e.text ?? JSON.stringify(e);
   }
 }
-const level = (e) => e.level ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad" }[e.type] ?? "info");
+const level = (e) => e.level ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad", partition_lost: "bad", partition_released: "warn" }[e.type] ?? "info");
 
 function renderEvents(server) {
   const all = server.concat(localEvents).sort((a, b) => (b.at_ms ?? 0) - (a.at_ms ?? 0)).slice(0, 100);
