@@ -218,6 +218,8 @@ pub struct TaskMetrics {
     pub store_flush: Histogram,
     /// Changelog records written.
     pub store_flushed: Counter,
+    /// Hook latency, one handle per hook (made on its first run).
+    hooks: std::cell::RefCell<Vec<(&'static str, Histogram)>>,
 }
 
 impl std::fmt::Debug for TaskMetrics {
@@ -233,7 +235,7 @@ pub enum AckCount {
     Ack = 0,
     /// Handed back (with or without a delay).
     Nak = 1,
-    /// Terminated (dead-lettered, parked, or swept).
+    /// Terminated (a queue message dead-lettered or parked).
     Term = 2,
     /// Work in progress (a heartbeat).
     InProgress = 3,
@@ -254,6 +256,7 @@ impl TaskMetrics {
             published: counter!(names::PUBLISHED, &l),
             store_flush: metrics::histogram!(names::STORE_FLUSH_SECONDS, &l),
             store_flushed: counter!(names::STORE_FLUSHED_RECORDS, &l),
+            hooks: std::cell::RefCell::new(Vec::new()),
             labels: l,
         }
     }
@@ -270,8 +273,15 @@ impl TaskMetrics {
     }
 
     /// A hook ran for `took`.
-    pub fn hook(&self, hook: &str, took: Duration) {
-        metrics::histogram!(names::HOOK_SECONDS, &with(&self.labels, "hook", hook)).record(took.as_secs_f64());
+    pub fn hook(&self, hook: &'static str, took: Duration) {
+        let mut hooks = self.hooks.borrow_mut();
+        let found = hooks.iter().position(|(h, _)| *h == hook);
+        let i = found.unwrap_or_else(|| {
+            hooks.push((hook, metrics::histogram!(names::HOOK_SECONDS, &with(&self.labels, "hook", hook))));
+            hooks.len() - 1
+        });
+        hooks[i].1.record(took.as_secs_f64());
+        drop(hooks);
         self.busy(took);
     }
 

@@ -3,12 +3,13 @@
 //! Each message a task processes runs inside a `process` span (`stream`, `partition`,
 //! `seq`, `attempt`, and the trace ids), each hook inside a `hook` span and each commit
 //! inside a `commit` span; a dead letter is written inside a `dead_letter` span that is
-//! a child of the message's (across the worker and the reaper, two actors). When the
-//! input carries a `traceparent`, the message's span continues that trace: its outputs
-//! carry `traceparent` with the same trace id and the `process` span's id as their
-//! parent, so the next task, on whichever node, continues it again. When it carries
-//! none, a trace starts only if something collects the spans (the `process` span is
-//! enabled: `--log debug`, or the OTLP exporter); otherwise nothing is added.
+//! a child of the message's (across the worker and the reaper, two actors). All are at
+//! debug level. When the input carries a `traceparent` and the spans are collected
+//! (`--log debug`, or the OTLP exporter), the message's span continues that trace: its
+//! outputs carry `traceparent` with the same trace id and the `process` span's id as
+//! their parent, so the next task, on whichever node, continues it again. When they are
+//! not collected, the input's `traceparent` is passed on unchanged. An input without
+//! one starts a trace only when the spans are collected; otherwise nothing is added.
 //!
 //! The ids are recorded as span fields (`trace_id`, `span_id`, `parent_id`), so logs
 //! show them; with the `otlp` feature of `flotilla-node` the same spans are exported
@@ -121,7 +122,10 @@ pub fn open(span: &tracing::Span, parent: Option<TraceContext>, start: bool) -> 
     };
     let this = match (exported, parent) {
         (Some(this), _) => this,
-        (None, Some(p)) => p.child(),
+        (None, Some(p)) if collected => p.child(),
+        // Nobody records a span here: the caller's span stays the parent of what comes
+        // next (a child nobody records would leave a hole in the trace).
+        (None, Some(p)) => return Some(p),
         (None, None) if start && collected => TraceContext::root(),
         (None, None) => return None,
     };
@@ -179,9 +183,9 @@ mod tests {
         // No subscriber: the span is disabled, nothing is added.
         let span = tracing::info_span!("process", trace_id = tracing::field::Empty);
         assert_eq!(message_context(&span, None), None);
-        // An input trace is continued whatever is collected.
+        // An input trace is passed on as it came while nothing records a span here.
         let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        let ctx = message_context(&span, Some(tp)).expect("continued");
-        assert_eq!(ctx.trace_id, 0x4bf92f3577b34da6a3ce929d0e0e4736);
+        let ctx = message_context(&span, Some(tp)).expect("passed on");
+        assert_eq!(ctx.header(), tp);
     }
 }

@@ -41,8 +41,16 @@ const STYLE_CSS: &str = include_str!("dashboard/style.css");
 /// Events kept for `/api/events`.
 const EVENTS_KEPT: usize = 200;
 
-/// How long a status read is shared.
+/// How long a status read is shared (counted from when it ended).
 const STATUS_FRESH: Duration = Duration::from_secs(1);
+
+/// How long a status read may take before the page is told the job cannot be read.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The header a replay request must carry: a page of another site cannot set it on a
+/// cross-origin POST without the browser asking this endpoint first (which it refuses),
+/// so no other site can replay dead letters through a visitor's browser.
+pub const REQUEST_HEADER: &str = "x-flotilla-request";
 
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -229,6 +237,7 @@ async fn count_connection_events(broker: SharedBroker) {
                 back.increment(1);
                 connected.set(1.0);
             }
+            Ok(ConnectionEvent::Closed) => connected.set(0.0),
             Ok(_) => {}
             Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
@@ -261,7 +270,12 @@ async fn status(State(state): State<Arc<AppState>>) -> Response {
             let status = client.status().await?;
             Ok::<_, ControlError>(serde_json::to_value(&status).unwrap_or_default())
         };
-        *cached = Some((Instant::now(), read.await.map_err(|e| e.to_string())));
+        let result = match tokio::time::timeout(STATUS_TIMEOUT, read).await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("the job's status took over {STATUS_TIMEOUT:?} to read (is NATS reachable?)")),
+        };
+        // Fresh from when it was read: a slow read is still shared.
+        *cached = Some((Instant::now(), result));
     }
     match cached.as_ref().map(|(_, r)| r) {
         Some(Ok(v)) => Json(v.clone()).into_response(),
@@ -305,7 +319,14 @@ async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>)
     }
 }
 
-async fn dlq_replay(State(state): State<Arc<AppState>>, Path(id): Path<u64>) -> Response {
+async fn dlq_replay(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<u64>,
+    request_headers: axum::http::HeaderMap,
+) -> Response {
+    if !request_headers.contains_key(REQUEST_HEADER) {
+        return error(StatusCode::FORBIDDEN, format!("a replay request must carry the {REQUEST_HEADER} header"));
+    }
     let letters = match DeadLetters::new(state.served.broker.clone(), &state.served.job) {
         Ok(d) => d,
         Err(e) => return control_error(e),

@@ -228,7 +228,8 @@ impl std::fmt::Debug for NodeError {
 /// # Errors
 /// [`NodeError::LogFilter`] when the filter does not parse.
 pub fn init_logging(config: &NodeConfig) -> Result<(), NodeError> {
-    init_telemetry(config, "", "").map(drop)
+    // Commands and tools log; only a node exports spans.
+    init_telemetry(&NodeConfig { otlp_endpoint: None, ..config.clone() }, "", "").map(drop)
 }
 
 /// Keeps span export running; dropping it flushes what is left (the end of a run).

@@ -285,14 +285,30 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
 
     // kill -9 dash-c: its partitions move once its leases run out (3 s here).
     c.signal("dash-c", "KILL");
+    let victim_seen = victim.clone();
     let b = tokio::task::spawn_blocking(move || {
-        let moved = b
-            .wait_for("dash-c's partitions owned by the live nodes", Duration::from_secs(60), |b| {
-                let owners = page_owners(b)?;
-                Ok((owners.len() == 8 && owners.values().all(|o| o == "dash-a" || o == "dash-b")).then_some(owners))
-            })
+        let victim = victim_seen;
+        // The page shows the partitions on the live nodes, the moves among the events,
+        // and dash-c gone (each can come a poll after the other).
+        let (moved, events) = b
+            .wait_for(
+                "dash-c's partitions owned by the live nodes, and the moves listed",
+                Duration::from_secs(60),
+                |b| {
+                    let owners = page_owners(b)?;
+                    if owners.len() != 8 || !owners.values().all(|o| o == "dash-a" || o == "dash-b") {
+                        return Ok(None);
+                    }
+                    let events = b.texts("#events li")?;
+                    let listed = victim.iter().all(|p| {
+                        let taken = format!("relay-in/{p} taken by {}", owners[&format!("relay-in/{p}")]);
+                        events.iter().any(|e| e.contains("partition_acquired") && e.contains(&taken))
+                    });
+                    let left = events.iter().any(|e| e.contains("node dash-c left"));
+                    Ok((listed && left).then_some((owners, events)))
+                },
+            )
             .expect("the page shows the partitions moved");
-        let events = b.texts("#events li").expect("events");
         let shot = b.screenshot("2-partitions-moved").expect("screenshot");
         eprintln!("screenshot: {}", shot.display());
         (b, moved, events)
@@ -305,14 +321,7 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
         let owner = &moved[&format!("relay-in/{p}")];
         assert_eq!(live.get(p).map(|(n, _)| n), Some(owner), "the page shows the lease's owner");
     }
-    for p in &victim {
-        let taken = format!("relay-in/{p} taken by {}", moved[&format!("relay-in/{p}")]);
-        assert!(
-            events.iter().any(|e| e.contains("partition_acquired") && e.contains(&taken)),
-            "the events list the move of partition {p} ({taken}): {events:?}"
-        );
-    }
-    assert!(events.iter().any(|e| e.contains("node dash-c left")), "and the node leaving: {events:?}");
+    eprintln!("events on the page: {events:?}");
 
     // Replay one dead letter by clicking its button.
     let (b, clicked) = tokio::task::spawn_blocking(move || {
@@ -356,17 +365,21 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
     }
 }
 
-/// A record that carries a W3C `traceparent` is processed in a span of its trace: its
-/// output carries the same trace id with the `process` span as its parent (so the
-/// next task, on any node, continues the trace), and a poison record's dead letter
-/// continues it too (a replay starts from there). A record without one gets none
-/// added while nothing collects spans.
+/// On a node that collects spans (here: logs them at debug), a record that carries a
+/// W3C `traceparent` is processed in a span of its trace: its output carries the same
+/// trace id with the `process` span as its parent (so the next task, on any node,
+/// continues the trace), and a poison record's dead letter continues it too (a replay
+/// starts from there). A record without one starts a trace of its own. (Where nothing
+/// collects spans, the header is passed on unchanged: `flotilla_actors::trace`'s tests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trace_continues_from_a_record_to_its_output_and_its_dead_letter() {
     use flotilla_actors::trace::TraceContext;
     use flotilla_tests::relay_cluster::{read_stream, record, record_with};
     use flotilla_transport::wire::headers;
-    let c = RelayCluster::start(&["trace-a"]).await;
+    let mut c = RelayCluster::start(&[]).await;
+    // The spans are collected (logged at debug): the node continues traces with its own.
+    let env = vec![("FLOTILLA_LOG".to_owned(), "info,flotilla_actors=debug".to_owned())];
+    c.add_with("trace-a", Launch { env, ..Launch::default() });
     let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
     let parent = "00f067aa0ba902b7";
     let traced = |m: flotilla_transport::broker::OutboundMessage| {
@@ -389,7 +402,9 @@ async fn a_trace_continues_from_a_record_to_its_output_and_its_dead_letter() {
     let continued = by_key["1"].as_deref().and_then(TraceContext::parse).expect("record 1's output is traced");
     assert_eq!(format!("{:032x}", continued.trace_id), trace, "the same trace");
     assert_ne!(format!("{:016x}", continued.span_id), parent, "its parent is the process span, not the producer");
-    assert_eq!(by_key["2"], None, "no trace is started while nothing collects spans");
+    let started =
+        by_key["2"].as_deref().and_then(TraceContext::parse).expect("a trace starts where spans are collected");
+    assert_ne!(started.trace_id, continued.trace_id, "a trace of its own");
 
     let dead = read_stream(&c.broker, "FLOTILLA_relay_DLQ").await;
     let letter = dead[0].1.get(headers::TRACEPARENT).and_then(TraceContext::parse).expect("the dead letter is traced");

@@ -76,7 +76,7 @@ impl Handler<DeadLetter> for Reaper {
         let broker = self.broker.clone();
         let subjects = self.subjects.clone();
         // A child of the attempt's span, across the worker and this actor.
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             parent: None,
             "dead_letter",
             stream = %msg.stream,

@@ -929,6 +929,7 @@ impl<T: Task> TaskWorker<T> {
         out.headers.insert(headers::PARKED_SEQ, d.info.stream_seq.to_string());
         let broker = self.env.broker.clone();
         let token = d.token.clone();
+        self.metrics.acked(AckCount::Term, 1);
         let stored = async move {
             broker.publish(out).await?;
             if let Err(e) = broker.ack_confirmed(&token, AckKind::Term).await {
@@ -1601,7 +1602,7 @@ impl<T: Task> TaskWorker<T> {
         }
         let label = kind.label();
         let started = Instant::now();
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "hook",
             hook = label,
             stream = self.binding.stream,
@@ -1845,6 +1846,8 @@ impl<T: Task> TaskWorker<T> {
         self.state.mark_complete();
         // What this turn acked and completed goes out before the worker reports its end.
         self.send_batched();
+        // Nothing runs here any more (a fenced or released worker leaves counts behind).
+        self.metrics.in_flight.set(0.0);
         // Handing an ordered partition over: the next owner resets its consumer at the
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).

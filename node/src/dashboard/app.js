@@ -121,12 +121,13 @@ function describe(e) {
     default: return e.text ?? JSON.stringify(e);
   }
 }
-const level = (e) => e.level ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad", partition_lost: "bad", partition_released: "warn" }[e.type] ?? "info");
+const LEVELS = ["info", "warn", "bad"];
+const level = (e) => (LEVELS.includes(e.level) ? e.level : null) ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad", partition_lost: "bad", partition_released: "warn" }[e.type] ?? "info");
 
 function renderEvents(server) {
   const all = server.concat(localEvents).sort((a, b) => (b.at_ms ?? 0) - (a.at_ms ?? 0)).slice(0, 100);
   $("events").innerHTML = all.map((e) =>
-    `<li class="${level(e)}" data-type="${esc(e.type)}"><span class="t">${e.at_ms ? clock(e.at_ms) : ""}</span><span class="k">${esc(e.type)}</span> ${esc(describe(e))}</li>`
+    `<li class="${esc(level(e))}" data-type="${esc(e.type)}"><span class="t">${e.at_ms ? clock(e.at_ms) : ""}</span><span class="k">${esc(e.type)}</span> ${esc(describe(e))}</li>`
   ).join("") || '<li class="hint">nothing yet</li>';
 }
 
@@ -148,12 +149,15 @@ async function getJson(path) {
 
 async function poll() {
   try {
-    const [status, events, dlq] = await Promise.all([getJson("/api/status"), getJson("/api/events"), getJson("/api/dlq?limit=100").catch(() => [])]);
+    // Status first: the events read after it are at least as new (a move it shows is
+    // listed with it).
+    const status = await getJson("/api/status");
+    const [events, dlq] = await Promise.all([getJson("/api/events"), getJson("/api/dlq?limit=100").catch(() => null)]);
     const now = Date.now();
     const rates = diff(status, now);
     renderStatus(status, rates);
     renderEvents(events);
-    renderDlq(dlq);
+    if (dlq) renderDlq(dlq);
     previous = status;
     previousAt = now;
     $("conn").textContent = "live";
@@ -173,7 +177,7 @@ document.addEventListener("click", async (ev) => {
   button.disabled = true;
   button.textContent = "Replaying…";
   try {
-    const r = await fetch(`/api/dlq/${button.dataset.id}/replay`, { method: "POST" });
+    const r = await fetch(`/api/dlq/${encodeURIComponent(button.dataset.id)}/replay`, { method: "POST", headers: { "x-flotilla-request": "replay" } });
     const body = await r.json();
     if (!r.ok) throw new Error(body.error ?? r.statusText);
     note("replayed", `dead letter ${button.dataset.id} replayed`, "info");
