@@ -1183,7 +1183,13 @@ impl<T: Task> TaskWorker<T> {
             span_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
         );
-        envelope.trace = crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT));
+        // Nothing collects the span (the default): no ids, and the context passes the
+        // input's traceparent on as it is, without this lookup.
+        envelope.trace = if span.is_disabled() {
+            None
+        } else {
+            crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT))
+        };
         let trace = envelope.trace;
         let d = &envelope.delivery;
         let meta = MessageMeta {
