@@ -78,11 +78,12 @@ function renderStatus(s, rates) {
 
   $("partitions").tBodies[0].innerHTML = s.partitions.map((p) => {
     const k = key(p);
-    const state = !p.owner ? (p.drained ? "drained" : "unowned") : p.paused ? "paused" : p.drained ? "drained" : "running";
+    const queue = p.partition == null;
+    const state = p.paused ? "paused" : p.drained ? "drained" : p.owner || queue ? "running" : "unowned";
     const moved = movedAt.has(k) && now - movedAt.get(k) < 2500 ? ' class="moved"' : "";
     const r = rates[k];
     return `<tr data-key="${esc(k)}"${moved}><td>${esc(p.stream)}</td><td class="num">${p.partition ?? "queue"}</td>` +
-      `<td class="owner">${esc(p.owner ?? "–")}</td><td class="num">${p.epoch ?? "–"}</td><td class="num">${num(p.backlog)}</td>` +
+      `<td class="owner">${esc(p.owner ?? (queue ? "(every node)" : "–"))}</td><td class="num">${p.epoch ?? "–"}</td><td class="num">${num(p.backlog)}</td>` +
       `<td class="num">${p.backlog ? duration(p.oldest_ms) : "–"}</td><td class="num">${r == null ? "–" : r.toFixed(1)}</td>` +
       `<td class="num">${num(p.in_flight)}</td><td class="state-${state}">${state}</td></tr>`;
   }).join("");
