@@ -295,7 +295,20 @@ impl ControlClient {
     /// # Errors
     /// Broker failures.
     pub async fn members(&self) -> Result<BTreeSet<String>, ControlError> {
-        Ok(self.broker.kv_keys(&self.buckets.nodes).await?.into_iter().collect())
+        // Listing a bucket whose keys are being rewritten (every node's heartbeat) can
+        // stall its ordered consumer until the scan deadline (seen once on 2.9.10): a
+        // fresh listing is tried before giving up.
+        let mut attempt = 0;
+        loop {
+            match self.broker.kv_keys(&self.buckets.nodes).await {
+                Ok(keys) => return Ok(keys.into_iter().collect()),
+                Err(e @ BrokerError::TimedOut { .. }) if attempt < 2 => {
+                    attempt += 1;
+                    tracing::debug!(error = %e, attempt, "listing the members stalled; listing again");
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     /// Sends `verb` to every node and collects the replies for the reply window (or
