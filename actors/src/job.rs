@@ -183,7 +183,8 @@ impl Job {
         let makers = stores.clone();
         let starter: Starter = Rc::new(move |env: Rc<TaskEnv>, binding, config, sc: SlotContext| {
             let task = factory(binding.partition);
-            let set = crate::store::StoreSet::new(&makers.borrow(), env.codec);
+            let set = crate::store::StoreSet::new(&makers.borrow(), env.codec)
+                .with_max_payload(env.broker.server().max_payload);
             let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper)
                 .with_stores(set)
                 .start();
@@ -1033,7 +1034,7 @@ fn slot(
         fence,
         paused: false,
         spawn: Box::new(move |sc| {
-            let binding = Binding { slot: sc.slot, start: sc.start, ..binding.clone() };
+            let binding = Binding { slot: sc.slot, start: sc.start.clone(), ..binding.clone() };
             starter(env.clone(), binding, config.clone(), sc)
         }),
     }

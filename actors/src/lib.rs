@@ -36,6 +36,6 @@ pub use job::{Job, JobError, JobStopper, MAX_REPLICAS, RunningJob};
 pub use producer::{Producer, ProducerError, Sent};
 pub use retry::RetryPolicy;
 pub use state::ShutdownScope;
-pub use store::{Store, StoreDef};
+pub use store::{Store, StoreDef, StoreError};
 pub use stream::{StreamDef, StreamKind, StreamType};
 pub use task::{MessageMeta, Misfire, Outputs, Task, TaskContext, TaskError};

@@ -125,8 +125,13 @@ impl std::fmt::Display for TaskError {
     }
 }
 
-impl<E: std::error::Error> From<E> for TaskError {
+impl<E: std::error::Error + 'static> From<E> for TaskError {
+    /// A failed attempt with the error's text and its causes; a store's refusal
+    /// ([`StoreError`](crate::StoreError)) is permanent instead (see there).
     fn from(err: E) -> Self {
+        if let Some(refused) = (&err as &dyn std::error::Error).downcast_ref::<crate::StoreError>() {
+            return refused.permanent();
+        }
         let mut text = err.to_string();
         let mut source = err.source();
         while let Some(s) = source {
@@ -465,6 +470,11 @@ impl Outputs {
     async fn queue(&self, msg: OutboundMessage) -> Result<(), TaskError> {
         self.shared().buffer.borrow_mut().push(msg);
         Ok(())
+    }
+
+    /// Whether this callback sent nothing (yet).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.shared.get().is_none_or(|s| s.buffer.borrow().is_empty())
     }
 
     /// The outputs of this callback, in send order.

@@ -126,8 +126,14 @@ struct Slot {
     resetting: bool,
     /// Resets in a row that failed (the next waits longer; no worker starts meanwhile).
     reset_failures: u32,
-    /// The restart under way follows a lost delivery ([`Outcome::Resync`]), not a failure.
+    /// The restart under way follows a lost delivery ([`Outcome::Resync`]) or a restore
+    /// ([`Outcome::Restore`]), not a failure.
     resyncing: bool,
+    /// Restores since the task last finished a message (the next waits longer).
+    restores: u32,
+    /// The messages that forced restores (their stream sequences), and how many each
+    /// (those the partition has committed past are dropped at each restart).
+    blamed: Vec<(u64, u32)>,
     /// The worker was told to stop: claim nothing more for it.
     stopping: bool,
     /// Its task asked to shut down (`ShutdownScope::CurrentTask`) on a node of a
@@ -162,6 +168,8 @@ impl Slot {
             resetting: false,
             reset_failures: 0,
             resyncing: false,
+            restores: 0,
+            blamed: Vec::new(),
             stopping: false,
             asked_to_end: false,
             paused,
@@ -322,7 +330,7 @@ impl Container {
             container: ctx.address().recipient(),
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
-            start: slot.spec.start,
+            start: slot.spec.start.clone(),
         });
         if slot.paused {
             handle.control.do_send(WorkerControl::Pause);
@@ -540,9 +548,13 @@ impl Container {
                     s.reset_failures = 0;
                     let mut start = crate::task_worker::PartitionStart::from(&resumed);
                     if std::mem::take(&mut s.resyncing) {
-                        // Lost in transit, not ended by a message: nothing is suspect.
+                        // Lost in transit or restored, not ended by a crash: nothing is
+                        // suspect.
                         start.suspects_up_to = None;
                     }
+                    // Those committed past are done with.
+                    s.blamed.retain(|(seq, _)| *seq > resumed.state.ack_floor);
+                    start.blamed = s.blamed.clone();
                     s.spec.start = Some(start);
                     if !act.stopping {
                         s.restart_pending = false;
@@ -737,6 +749,7 @@ impl Handler<WorkerReport> for Container {
                     s.outstanding = s.outstanding.saturating_sub(count);
                     s.metrics.pending.set(s.outstanding as f64);
                     s.restarts = 0;
+                    s.restores = 0;
                 }
             }
             WorkerReport::ShutdownRequested { slot, scope } => {
@@ -797,6 +810,34 @@ impl Handler<WorkerReport> for Container {
                         s.restart_pending = true;
                         s.resyncing = true;
                         self.restart(slot, ctx);
+                    }
+                    Outcome::Restore { reason, blame } if !self.stopping && !s.stopping => {
+                        // Not a failure either, but one that repeats backs off, and the
+                        // message that forces it has the restore counted as an attempt.
+                        s.restores += 1;
+                        if let Some(seq) = blame {
+                            match s.blamed.iter_mut().find(|(at, _)| *at == seq) {
+                                Some((_, n)) => *n += 1,
+                                None => s.blamed.push((seq, 1)),
+                            }
+                        }
+                        s.worker = None;
+                        s.restart_pending = true;
+                        s.resyncing = true;
+                        let delay = match s.restores {
+                            1 => Duration::ZERO,
+                            n => crate::retry::RetryPolicy {
+                                initial_backoff: Duration::from_millis(100),
+                                ..crate::retry::RetryPolicy::default()
+                            }
+                            .backoff(n - 1),
+                        };
+                        info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, ?blame, restores = s.restores, ?delay, "restoring the partition from its last commit");
+                        self.timers.do_send(After {
+                            delay,
+                            target: ctx.address().recipient(),
+                            tick: Tick::Restart(slot),
+                        });
                     }
                     Outcome::Drained | Outcome::EndOfStream if self.observer.is_none() => {
                         self.requests.request(slot, ShutdownScope::CurrentTask);

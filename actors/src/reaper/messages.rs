@@ -57,7 +57,7 @@ pub struct AcquireLease {
 }
 
 /// A lease acquired by [`AcquireLease`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Acquired {
     /// The lease's revision: the partition's fencing epoch.
     pub revision: u64,

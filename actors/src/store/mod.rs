@@ -45,6 +45,66 @@ pub const STATE: &str = "STATE";
 /// The longest encoded store key, in bytes (its hex form is twice that, in a subject).
 pub const MAX_KEY_BYTES: usize = 256;
 
+/// Bytes of a changelog record that are not its two values (version, generation, flush,
+/// presence bytes and lengths), with room to spare.
+const RECORD_OVERHEAD: usize = 64;
+
+/// The largest encoded store value a broker taking payloads of up to `max_payload`
+/// bytes can hold: a changelog record carries the new and the committed value of its
+/// key, so each must fit in half.
+pub fn max_value_bytes(max_payload: usize) -> usize {
+    (max_payload / 2).saturating_sub(RECORD_OVERHEAD)
+}
+
+/// Why a store refused a write. It converts into a [`TaskError::Permanent`]
+/// ([`permanent`](Self::permanent)), so a handler's `?` dead-letters the message at once with the reason `too-large` (a value
+/// or key too large) or `rejected` (one that cannot be encoded).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The value encodes to more than the changelog can hold.
+    #[error(
+        "store {store} key {key}: the value encodes to {size} bytes, over the limit of {limit} bytes (a changelog record holds the new and the committed value, so each must fit in half the broker's max_payload): keep large values elsewhere and store a reference"
+    )]
+    ValueTooLarge {
+        /// The store.
+        store: &'static str,
+        /// The key, as the changelog names it (the hex of its encoding, cut at 64 digits).
+        key: String,
+        /// The value's encoded size in bytes.
+        size: usize,
+        /// The largest value the store takes, in bytes.
+        limit: usize,
+    },
+    /// The key encodes to more than [`MAX_KEY_BYTES`].
+    #[error("store {store}: the key encodes to {size} bytes, over the limit of {MAX_KEY_BYTES}")]
+    KeyTooLarge {
+        /// The store.
+        store: &'static str,
+        /// The key's encoded size in bytes.
+        size: usize,
+    },
+    /// The key or value cannot be encoded.
+    #[error("store {store}: {reason}")]
+    Encode {
+        /// The store.
+        store: &'static str,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl StoreError {
+    /// The task error a refused write is: permanent, with the dead-letter reason
+    /// `too-large` or `rejected` (what `?` in a handler makes of it).
+    pub fn permanent(&self) -> TaskError {
+        let reason = match self {
+            StoreError::ValueTooLarge { .. } | StoreError::KeyTooLarge { .. } => "too-large",
+            StoreError::Encode { .. } => "rejected",
+        };
+        TaskError::Permanent { reason, detail: self.to_string() }
+    }
+}
+
 /// A typed key-value store of a task, declared on the job beside its streams.
 ///
 /// ```
@@ -135,6 +195,17 @@ pub trait ErasedStore: Any {
     /// The callback that changed it succeeded (`true`: keep its changes) or failed
     /// (`false`: undo them).
     fn end_callback(&mut self, keep: bool);
+    /// The callback of message `token` succeeded but the message is not finished (its
+    /// deferred work or its outputs are on their way): keep its changes, and its journal
+    /// until [`release`](Self::release) or [`undo`](Self::undo).
+    fn end_callback_held(&mut self, token: u64);
+    /// Whether the held changes of `token` can be undone alone: no later callback
+    /// changed one of its keys (none held: `true`).
+    fn can_undo(&self, token: u64) -> bool;
+    /// Undoes the held changes of `token` (check [`can_undo`](Self::can_undo) first).
+    fn undo(&mut self, token: u64);
+    /// Message `token` finished: its changes stay, its journal goes.
+    fn release(&mut self, token: u64);
     /// Whether something changed since the last [`take_changes`](Self::take_changes).
     fn has_changes(&self) -> bool;
     /// What changed since the last call, encoded; the store forgets it.
@@ -172,6 +243,17 @@ pub struct TypedStore<K, V> {
     undo: BTreeMap<K, Option<V>>,
     /// Keys of the flush on its way, by the hex of their encoding.
     flushing: std::collections::HashMap<String, K>,
+    /// Journals of messages whose changes are kept but which have not finished.
+    held: Vec<Held<K, V>>,
+}
+
+/// The changes of a message that has not finished: each key's value before it, and
+/// whether a later callback changed one of those keys (then only a restore of the last
+/// commit can take them back).
+struct Held<K, V> {
+    token: u64,
+    before: BTreeMap<K, Option<V>>,
+    entangled: bool,
 }
 
 impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
@@ -184,6 +266,7 @@ impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
             changed: BTreeMap::new(),
             undo: BTreeMap::new(),
             flushing: std::collections::HashMap::new(),
+            held: Vec::new(),
         }
     }
 
@@ -200,6 +283,57 @@ impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
         }
         Ok(hex(&bytes))
     }
+
+    /// Checks that `key` and `value` can be written to the changelog.
+    fn check_write(&self, codec: &Codec, value_limit: usize, key: &K, value: &V) -> Result<(), StoreError> {
+        let store = self.name;
+        let key_bytes = codec.encode(key).map_err(|e| StoreError::Encode { store, reason: e.to_string() })?;
+        if key_bytes.len() > MAX_KEY_BYTES {
+            return Err(StoreError::KeyTooLarge { store, size: key_bytes.len() });
+        }
+        let size = codec.encoded_len(value).map_err(|e| StoreError::Encode { store, reason: e.to_string() })?;
+        if size > value_limit {
+            let mut key = hex(&key_bytes);
+            key.truncate(64);
+            return Err(StoreError::ValueTooLarge { store, key, size, limit: value_limit });
+        }
+        Ok(())
+    }
+
+    /// Ends the running callback: keeps its changes (`held`: with a journal under that
+    /// token) or undoes them.
+    fn end(&mut self, keep: bool, held: Option<u64>) {
+        let undo = std::mem::take(&mut self.undo);
+        if !keep {
+            for (key, before) in undo {
+                match before {
+                    Some(v) => self.live.insert(key, v),
+                    None => self.live.remove(&key),
+                };
+            }
+            return;
+        }
+        // A kept change to a key of an unfinished message ties them: undoing that
+        // message alone would lose this one.
+        for h in self.held.iter_mut().filter(|h| !h.entangled) {
+            h.entangled = undo.keys().any(|k| h.before.contains_key(k));
+        }
+        match held {
+            Some(token) if !undo.is_empty() => {
+                for (key, before) in &undo {
+                    if !self.changed.contains_key(key) {
+                        self.changed.insert(key.clone(), before.clone());
+                    }
+                }
+                self.held.push(Held { token, before: undo, entangled: false });
+            }
+            _ => {
+                for (key, before) in undo {
+                    self.changed.entry(key).or_insert(before);
+                }
+            }
+        }
+    }
 }
 
 impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
@@ -212,16 +346,33 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
     }
 
     fn end_callback(&mut self, keep: bool) {
-        let undo = std::mem::take(&mut self.undo);
-        for (key, before) in undo {
-            if keep {
-                self.changed.entry(key).or_insert(before);
-            } else {
-                match before {
-                    Some(v) => self.live.insert(key, v),
-                    None => self.live.remove(&key),
-                };
-            }
+        self.end(keep, None);
+    }
+
+    fn end_callback_held(&mut self, token: u64) {
+        self.end(true, Some(token));
+    }
+
+    fn can_undo(&self, token: u64) -> bool {
+        self.held.iter().find(|h| h.token == token).is_none_or(|h| !h.entangled)
+    }
+
+    fn undo(&mut self, token: u64) {
+        let Some(at) = self.held.iter().position(|h| h.token == token) else { return };
+        let held = self.held.remove(at);
+        for (key, before) in held.before {
+            // The key's entry in `changed` stays: it holds the committed value, and a
+            // key changed back to it is not written.
+            match before {
+                Some(v) => self.live.insert(key, v),
+                None => self.live.remove(&key),
+            };
+        }
+    }
+
+    fn release(&mut self, token: u64) {
+        if let Some(at) = self.held.iter().position(|h| h.token == token) {
+            self.held.swap_remove(at);
         }
     }
 
@@ -300,6 +451,8 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
 pub struct StoreSet {
     stores: Vec<Box<dyn ErasedStore>>,
     codec: Codec,
+    /// The largest encoded value a `put` takes ([`max_value_bytes`]).
+    value_limit: usize,
 }
 
 impl std::fmt::Debug for StoreSet {
@@ -317,9 +470,24 @@ pub fn maker<K: StoreKey, V: StoreValue>(def: StoreDef<K, V>) -> StoreMaker {
 }
 
 impl StoreSet {
-    /// The stores made by `makers`, encoding with `codec`.
+    /// The stores made by `makers`, encoding with `codec` and taking values that fit a
+    /// changelog record within the codec's payload limit.
     pub fn new(makers: &[StoreMaker], codec: Codec) -> Self {
-        Self { stores: makers.iter().map(|m| m()).collect(), codec }
+        let value_limit = max_value_bytes(codec.max_payload());
+        Self { stores: makers.iter().map(|m| m()).collect(), codec, value_limit }
+    }
+
+    /// The same stores taking values that fit a changelog record of at most
+    /// `max_payload` bytes (the broker's limit, when lower than the codec's).
+    #[must_use]
+    pub fn with_max_payload(mut self, max_payload: usize) -> Self {
+        self.value_limit = self.value_limit.min(max_value_bytes(max_payload));
+        self
+    }
+
+    /// The largest encoded value a `put` takes, in bytes.
+    pub fn value_limit(&self) -> usize {
+        self.value_limit
     }
 
     /// Whether there are no stores.
@@ -346,6 +514,33 @@ impl StoreSet {
     pub fn end_callback(&mut self, keep: bool) {
         for s in &mut self.stores {
             s.end_callback(keep);
+        }
+    }
+
+    /// Ends the callback of message `token`, which has not finished, in every store
+    /// (see [`ErasedStore::end_callback_held`]).
+    pub fn end_callback_held(&mut self, token: u64) {
+        for s in &mut self.stores {
+            s.end_callback_held(token);
+        }
+    }
+
+    /// Undoes the changes of the unfinished message `token` in every store, if no later
+    /// callback changed one of its keys; `false` (and nothing undone) otherwise.
+    pub fn undo(&mut self, token: u64) -> bool {
+        if !self.stores.iter().all(|s| s.can_undo(token)) {
+            return false;
+        }
+        for s in &mut self.stores {
+            s.undo(token);
+        }
+        true
+    }
+
+    /// Message `token` finished: its changes stay, their journal goes.
+    pub fn release(&mut self, token: u64) {
+        for s in &mut self.stores {
+            s.release(token);
         }
     }
 
@@ -395,38 +590,39 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
         Ok(Self { set, index, _types: PhantomData })
     }
 
-    fn with<R>(&self, f: impl FnOnce(&mut TypedStore<K, V>, &Codec) -> R) -> R {
+    fn with<R>(&self, f: impl FnOnce(&mut TypedStore<K, V>, &Codec, usize) -> R) -> R {
         let mut set = self.set.borrow_mut();
         let set = &mut *set;
-        let codec = &set.codec;
+        let (codec, limit) = (&set.codec, set.value_limit);
         let store = set.stores[self.index].as_any().downcast_mut::<TypedStore<K, V>>();
         // `open` checked the type, and stores are never replaced.
         match store {
-            Some(store) => f(store, codec),
+            Some(store) => f(store, codec, limit),
             None => unreachable!("store type checked at open"),
         }
     }
 
     /// The value of `key`.
     pub fn get(&self, key: &K) -> Option<V> {
-        self.with(|s, _| s.live.get(key).cloned())
+        self.with(|s, _, _| s.live.get(key).cloned())
     }
 
     /// Whether `key` has a value.
     pub fn contains(&self, key: &K) -> bool {
-        self.with(|s, _| s.live.contains_key(key))
+        self.with(|s, _, _| s.live.contains_key(key))
     }
 
     /// Sets `key` to `value`.
     ///
     /// # Errors
-    /// [`TaskError::Permanent`] (`rejected`) when the key encodes to more than
-    /// [`MAX_KEY_BYTES`] or cannot be encoded.
-    pub fn put(&self, key: K, value: V) -> Result<(), TaskError> {
-        self.with(|s, codec| {
-            if let Err(e) = TypedStore::<K, V>::key_hex(codec, &key) {
-                return Err(TaskError::rejected(format!("store {}: {e}", s.name)));
-            }
+    /// [`StoreError::ValueTooLarge`] when the value encodes to more than the store takes
+    /// (about half the broker's `max_payload`: `docs/state.md`),
+    /// [`StoreError::KeyTooLarge`] when the key encodes to more than [`MAX_KEY_BYTES`],
+    /// [`StoreError::Encode`] when either cannot be encoded. Nothing is written then; a
+    /// handler's `?` dead-letters the message at once (as `too-large` or `rejected`).
+    pub fn put(&self, key: K, value: V) -> Result<(), StoreError> {
+        self.with(|s, codec, limit| {
+            s.check_write(codec, limit, &key, &value)?;
             s.remember(&key);
             s.live.insert(key, value);
             Ok(())
@@ -435,7 +631,7 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
 
     /// Removes `key`; returns its value.
     pub fn delete(&self, key: &K) -> Option<V> {
-        self.with(|s, _| {
+        self.with(|s, _, _| {
             if !s.live.contains_key(key) {
                 return None;
             }
@@ -449,7 +645,7 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
     ///
     /// # Errors
     /// As [`put`](Self::put).
-    pub fn update(&self, key: K, f: impl FnOnce(Option<V>) -> Option<V>) -> Result<Option<V>, TaskError> {
+    pub fn update(&self, key: K, f: impl FnOnce(Option<V>) -> Option<V>) -> Result<Option<V>, StoreError> {
         let new = f(self.get(&key));
         match &new {
             Some(v) => self.put(key, v.clone())?,
@@ -462,7 +658,7 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
 
     /// The entries with keys in `range`, in key order.
     pub fn range<R: RangeBounds<K>>(&self, range: R) -> Vec<(K, V)> {
-        self.with(|s, _| s.live.range(range).map(|(k, v)| (k.clone(), v.clone())).collect())
+        self.with(|s, _, _| s.live.range(range).map(|(k, v)| (k.clone(), v.clone())).collect())
     }
 
     /// Every entry, in key order.
@@ -472,7 +668,7 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
 
     /// Keys held.
     pub fn len(&self) -> usize {
-        self.with(|s, _| s.live.len())
+        self.with(|s, _, _| s.live.len())
     }
 
     /// Whether the store is empty.
@@ -484,7 +680,7 @@ impl<'a, K: StoreKey, V: StoreValue> Store<'a, K, V> {
 impl<V: StoreValue> Store<'_, String, V> {
     /// The entries whose key starts with `prefix`, in key order.
     pub fn prefix(&self, prefix: &str) -> Vec<(String, V)> {
-        self.with(|s, _| {
+        self.with(|s, _, _| {
             s.live
                 .range(prefix.to_owned()..)
                 .take_while(|(k, _)| k.starts_with(prefix))
@@ -528,6 +724,61 @@ mod tests {
         // An undeclared store or other types are named.
         assert!(Store::open(&set, &StoreDef::<String, u64>::new("other")).is_err());
         assert!(Store::open(&set, &StoreDef::<u64, u64>::new("counts")).is_err());
+    }
+
+    #[test]
+    fn a_held_message_is_undone_alone_unless_a_later_callback_changed_its_keys() {
+        let def = StoreDef::<String, u64>::new("counts");
+        let set = RefCell::new(StoreSet::new(&[maker(def)], Codec::default()));
+        let store = Store::open(&set, &def).expect("declared");
+        store.put("a".into(), 1).expect("put");
+        set.borrow_mut().end_callback(true);
+        // Message 7 changes a and b and is not finished; message 8 changes c only.
+        store.put("a".into(), 2).expect("put");
+        store.put("b".into(), 1).expect("put");
+        set.borrow_mut().end_callback_held(7);
+        store.put("c".into(), 1).expect("put");
+        set.borrow_mut().end_callback_held(8);
+        assert!(set.borrow_mut().undo(7), "nothing later touched a or b");
+        assert_eq!((store.get(&"a".into()), store.get(&"b".into()), store.get(&"c".into())), (Some(1), None, Some(1)));
+        // Undone twice is a no-op; a released message keeps its changes.
+        assert!(set.borrow_mut().undo(7));
+        set.borrow_mut().release(8);
+        assert!(set.borrow_mut().undo(8));
+        assert_eq!(store.get(&"c".into()), Some(1));
+        // Message 9 changes a; a hook (not held) changes a after it: tied.
+        store.put("a".into(), 5).expect("put");
+        set.borrow_mut().end_callback_held(9);
+        store.put("a".into(), 6).expect("put");
+        set.borrow_mut().end_callback(true);
+        assert!(!set.borrow_mut().undo(9), "a later change to its key ties it");
+        assert_eq!(store.get(&"a".into()), Some(6), "nothing undone");
+        // What is written is the net change against the last commit.
+        let changes = set.borrow_mut().stores[0].take_changes(&Codec::default()).expect("changes");
+        let keys: Vec<&str> = changes.iter().map(|c| c.key_hex.as_str()).collect();
+        assert_eq!(keys.len(), 2, "a and c changed, b changed back: {keys:?}");
+    }
+
+    #[test]
+    fn a_value_over_half_the_payload_limit_is_refused_at_put() {
+        let def = StoreDef::<String, Vec<u8>>::new("blobs");
+        let set = RefCell::new(StoreSet::new(&[maker(def)], Codec::default()).with_max_payload(10_000));
+        let limit = set.borrow().value_limit();
+        assert_eq!(limit, max_value_bytes(10_000));
+        let store = Store::open(&set, &def).expect("declared");
+        // A Vec<u8> of n bytes encodes to n plus its length's varint.
+        store.put("small".into(), vec![0; limit - 3]).expect("fits");
+        let err = store.put("big".into(), vec![0; limit]).expect_err("too large");
+        assert!(
+            matches!(&err, StoreError::ValueTooLarge { store: "blobs", size, limit: l, .. } if *size > limit && *l == limit),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(&limit.to_string()), "{err}");
+        assert_eq!(store.get(&"big".into()), None, "nothing written");
+        let task: TaskError = err.into();
+        assert!(matches!(task, TaskError::Permanent { reason: "too-large", .. }), "{task:?}");
+        let long_key = "k".repeat(MAX_KEY_BYTES + 1);
+        assert!(matches!(store.put(long_key, vec![]), Err(StoreError::KeyTooLarge { .. })));
     }
 
     #[test]

@@ -41,6 +41,18 @@ pub enum Outcome {
     /// and stopped; the partition must be reset to its committed position before a
     /// new worker consumes it. Not a failure: it spends no attempt and no restart.
     Resync(String),
+    /// Tasks with stores: the state in memory cannot be committed as it is (the store
+    /// changes of a message that failed are tied to later ones, or someone else wrote
+    /// the partition's changelog). The worker handed everything back without
+    /// committing; the partition restarts from its last commit, after a back-off when
+    /// restores repeat.
+    Restore {
+        /// Why.
+        reason: String,
+        /// The stream sequence of the message that forced it, if one did: the restore
+        /// counts as one of its attempts.
+        blame: Option<u64>,
+    },
 }
 
 /// What a worker tells its container.

@@ -96,7 +96,7 @@ pub struct Binding {
 }
 
 /// Where an ordered partition's worker starts, as its take-over found it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PartitionStart {
     /// The partition consumer's delivery sequence before the worker's first delivery
     /// (0 after a reset). Each delivery must follow the one before it; one that does
@@ -108,11 +108,19 @@ pub struct PartitionStart {
     /// runs, and dead-lettered as `crash-loop` once it has been started
     /// `crash_limit` times without finishing.
     pub suspects_up_to: Option<u64>,
+    /// Tasks with stores: the messages (stream sequences) that forced restores of the
+    /// partition before this worker, and how many each: each counts as one of its
+    /// attempts.
+    pub blamed: Vec<(u64, u32)>,
 }
 
 impl From<&flotilla_transport::topology::Resumption> for PartitionStart {
     fn from(r: &flotilla_transport::topology::Resumption) -> Self {
-        Self { delivered_consumer_seq: r.state.delivered_consumer_seq, suspects_up_to: r.orphaned_up_to }
+        Self {
+            delivered_consumer_seq: r.state.delivered_consumer_seq,
+            suspects_up_to: r.orphaned_up_to,
+            blamed: Vec::new(),
+        }
     }
 }
 
@@ -314,6 +322,8 @@ pub struct TaskWorker<T: Task> {
     metrics: TaskMetrics,
     /// When the commit under way began, and its span.
     commit_started: Option<(Instant, tracing::Span)>,
+    /// A stop handed back a message waiting out a retry back-off: the first such order.
+    handed_back_mid_retry: Option<u64>,
 }
 
 /// The kind an acknowledgement counts as in [`crate::metrics::names::ACKS`].
@@ -344,9 +354,9 @@ impl<T: Task> TaskWorker<T> {
         reaper: Addr<Reaper>,
     ) -> Self {
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
-        let intake = Intake::after(binding.start.map(|s| s.delivered_consumer_seq));
+        let intake = Intake::after(binding.start.as_ref().map(|s| s.delivered_consumer_seq));
         let suspects =
-            binding.start.and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
+            binding.start.as_ref().and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
         let metrics = TaskMetrics::new(binding.stream, binding.partition);
         Self {
             metrics,
@@ -382,6 +392,7 @@ impl<T: Task> TaskWorker<T> {
             durable: None,
             applied_through: 0,
             hook_at: (0, 0),
+            handed_back_mid_retry: None,
         }
     }
 
@@ -732,12 +743,40 @@ impl<T: Task> TaskWorker<T> {
     /// everything back without committing and end asking for a reset, whatever the
     /// failure policy. The next worker restores the last commit and goes on from there.
     fn restart_from_changelog(&mut self, reason: String, ctx: &mut Context<Self>) {
+        self.end_for_restore(reason, None, ctx);
+    }
+
+    /// [`restart_from_changelog`](Self::restart_from_changelog) because of the message
+    /// at `order`: the restore counts as one of its attempts, so one that keeps forcing
+    /// restores is dead-lettered like one that keeps failing.
+    fn restore_blaming(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
+        let blame = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq);
+        self.end_for_restore(reason, blame, ctx);
+    }
+
+    fn end_for_restore(&mut self, reason: String, blame: Option<u64>, ctx: &mut Context<Self>) {
         if self.finished {
             return;
         }
-        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "restarting the partition from its last commit");
+        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, ?blame, "restarting the partition from its last commit");
         self.release_all(true);
-        self.finish(Outcome::Resync(reason), ctx);
+        self.finish(Outcome::Restore { reason, blame }, ctx);
+    }
+
+    /// The message at `order` failed after its `process` returned: undoes its store
+    /// changes, if it had any kept. `false` when they cannot be undone alone (a later
+    /// callback changed one of its keys): then only a restore takes them back.
+    fn undo_applied(&mut self, order: u64) -> bool {
+        let Some(e) = self.inflight.get_mut(&order) else { return true };
+        if !e.applied {
+            return true;
+        }
+        let Some(d) = &self.durable else { return true };
+        if !d.stores.borrow_mut().undo(order) {
+            return false;
+        }
+        e.applied = false;
+        true
     }
 
     fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
@@ -857,9 +896,23 @@ impl<T: Task> TaskWorker<T> {
                         ran: false,
                         trace: None,
                     };
-                    let attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
+                    let mut attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
                     let seq = envelope.delivery.info.stream_seq;
+                    let restores = self.restores_forced_by(seq);
+                    attempt = attempt.max(restores.saturating_add(1));
                     self.inflight.insert(p.order, Envelope { attempt, ..envelope });
+                    if restores > 0 && attempt > self.config.retry.max_attempts {
+                        let max = self.config.retry.max_attempts;
+                        self.dead_letter(
+                            p.order,
+                            "max-attempts",
+                            format!(
+                                "its {restores} attempts of {max} failed after changing the task's stores together with other messages, each forcing a restore of the partition"
+                            ),
+                            ctx,
+                        );
+                        continue;
+                    }
                     if self.durable.is_some() && seq <= self.applied_through {
                         // The restored state reflects it already: it was processed,
                         // its outputs stored and its changes committed; only its
@@ -896,6 +949,13 @@ impl<T: Task> TaskWorker<T> {
                 Op::NoOp => return,
             }
         }
+    }
+
+    /// How many restores of the partition the message at stream sequence `seq` forced
+    /// before this worker (see [`PartitionStart::blamed`]).
+    fn restores_forced_by(&self, seq: u64) -> u32 {
+        let blamed = self.binding.start.as_ref().map_or(&[][..], |s| &s.blamed);
+        blamed.iter().find(|(at, _)| *at == seq).map_or(0, |(_, n)| *n)
     }
 
     /// Whether the queue message at `order` has a parked key (and was not let through
@@ -1249,7 +1309,14 @@ impl<T: Task> TaskWorker<T> {
         }
         self.apply_requests(&mut tctx);
         let ok = matches!(result, Ok(Ok(())));
-        self.end_callback(ok);
+        // With stores, a message that does not finish in this turn (its deferred work or
+        // its outputs are on their way) keeps the journal of its changes: if it fails
+        // after all, they are undone and it is retried like any other.
+        let unfinished = ok && (tctx.deferred.is_some() || !tctx.outputs_handle().is_empty());
+        match &self.durable {
+            Some(d) if unfinished => d.stores.borrow_mut().end_callback_held(order),
+            _ => self.end_callback(ok),
+        }
         if ok && let Some(e) = self.inflight.get_mut(&order) {
             e.applied = self.durable.is_some();
             self.applied_through = self.applied_through.max(e.delivery.info.stream_seq);
@@ -1307,14 +1374,16 @@ impl<T: Task> TaskWorker<T> {
             Some(fut) => {
                 let fut = Supervised::new(fut);
                 ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-                    if act.durable.is_some() && !matches!(result, Ok(Ok(()))) {
-                        // Its store changes are applied: a retry would apply them twice.
+                    if !matches!(result, Ok(Ok(()))) && !act.undo_applied(order) {
+                        // Its store changes are tied to later ones: a retry would apply
+                        // them twice, and only the last commit can take them back.
                         let why = match &result {
                             Ok(Err(e)) => e.to_string(),
                             Err(panic) => format!("panicked: {}", panic_text(panic)),
                             Ok(Ok(())) => String::new(),
                         };
-                        act.restart_from_changelog(
+                        act.restore_blaming(
+                            order,
                             format!("deferred work of a message failed after its store changes were applied ({why})"),
                             ctx,
                         );
@@ -1427,10 +1496,11 @@ impl<T: Task> TaskWorker<T> {
         }
         self.flushes_in_flight = self.flushes_in_flight.saturating_sub(1);
         if let FlushTarget::Message(order) = flush.target
-            && self.inflight.get(&order).is_some_and(|e| e.applied)
+            && !self.undo_applied(order)
         {
-            // Its store changes are applied: a retry would apply them twice.
-            self.restart_from_changelog(
+            // Its store changes are tied to later ones: a retry would apply them twice.
+            self.restore_blaming(
+                order,
                 format!("outputs of a message not stored after its store changes were applied ({err})"),
                 ctx,
             );
@@ -1466,6 +1536,11 @@ impl<T: Task> TaskWorker<T> {
     /// The message is processed and its outputs are stored.
     fn effects_stored(&mut self, order: u64) {
         let Some(envelope) = self.inflight.remove(&order) else { return };
+        if envelope.applied
+            && let Some(d) = &self.durable
+        {
+            d.stores.borrow_mut().release(order);
+        }
         self.suspect_finished(envelope.delivery.info.stream_seq);
         if self.binding.ordered() {
             self.state.effects_done(order);
@@ -1773,6 +1848,8 @@ impl<T: Task> TaskWorker<T> {
             messages = waiting.len(),
             "stopping: handing back what waits for a retry instead of waiting out its back-off"
         );
+        let first = waiting.iter().min().copied();
+        self.handed_back_mid_retry = self.handed_back_mid_retry.min(first).or(first);
         for order in waiting {
             let Some(e) = self.inflight.remove(&order) else { continue };
             self.claimed.remove(&order);
@@ -1858,11 +1935,14 @@ impl<T: Task> TaskWorker<T> {
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
         let confirm = match (&self.last_commit, &outcome) {
-            (Some(token), Outcome::Stopped | Outcome::Drained | Outcome::EndOfStream | Outcome::Resync(_))
-                if !self.binding.fenced() =>
-            {
-                Some(self.env.broker.ack_confirmed(token, AckKind::Ack))
-            }
+            (
+                Some(token),
+                Outcome::Stopped
+                | Outcome::Drained
+                | Outcome::EndOfStream
+                | Outcome::Resync(_)
+                | Outcome::Restore { .. },
+            ) if !self.binding.fenced() => Some(self.env.broker.ack_confirmed(token, AckKind::Ack)),
             _ => None,
         };
         let flush = self.env.broker.flush();
@@ -1946,6 +2026,22 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         if self.state_busy() {
+            return;
+        }
+        if self.durable.is_some()
+            && let Some(first) = self.handed_back_mid_retry
+            && self.claimed.range(first..).next().is_some()
+        {
+            // Messages after the one handed back finished: their store changes are in
+            // memory, but the commit position stays before it, and a commit would write
+            // them there (the next owner would apply them twice). Commit nothing.
+            warn!(
+                stream = self.binding.stream,
+                partition = self.binding.partition,
+                "stopping without a commit: messages that finished after one handed back mid-retry cannot have their store changes committed apart from it; the next owner restores the last commit and runs them again"
+            );
+            self.release_all(true);
+            self.finish(self.stopped_outcome(), ctx);
             return;
         }
         let changed = self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes());

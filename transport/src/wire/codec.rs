@@ -107,6 +107,19 @@ impl Codec {
         self.max_payload
     }
 
+    /// How many bytes `value` encodes to, without encoding it into memory.
+    ///
+    /// # Errors
+    /// [`CodecError::Encode`] when serialization fails.
+    pub fn encoded_len<T: Serialize>(&self, value: &T) -> Result<usize, CodecError> {
+        let mut size = bincode::enc::write::SizeWriter::default();
+        bincode::serde::encode_into_writer(value, &mut size, config()).map_err(|e| CodecError::Encode {
+            type_name: std::any::type_name::<T>().to_owned(),
+            reason: e.to_string(),
+        })?;
+        Ok(size.bytes_written)
+    }
+
     /// Encodes `value`.
     ///
     /// # Errors
