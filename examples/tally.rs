@@ -10,11 +10,16 @@
 //!   choice) for each choice changed since the last window;
 //! * a vote whose `choice` starts with `poison` fails every attempt: it goes to the DLQ
 //!   after `--max-attempts` and is not counted;
+//! * a vote whose `choice` starts with `flaky` fails its first attempt with a transient
+//!   error and is counted once, on its retry;
+//! * `--concurrency N` (1) runs up to N votes of a partition at once, each through
+//!   `defer` (a short simulated I/O, where a flaky vote's first attempt fails);
 //! * flags `--nats URL`, `--node-id ID`, `--partitions N` (8), `--max-attempts N` (3),
 //!   `--ack-wait DURATION` (30s), `--lease-ttl DURATION` (6s), `--window DURATION`
-//!   (1s); `publish --count N [--choices K] [--poison P] [--start S]` publishes N votes
-//!   (voters S.., choices `choice-0` … `choice-<K-1>` in turn, P of them poison) and
-//!   exits;
+//!   (1s), `--concurrency N` (1); `publish --count N [--choices K] [--poison P]
+//!   [--flaky F] [--start S]` publishes N votes (voters S.., choices `choice-0` …
+//!   `choice-<K-1>` in turn, P of them poison, F of them flaky: `flaky-<voter mod K>`)
+//!   and exits;
 //! * after any number of node kills, restarts and rebalances, the last `Total` of each
 //!   choice in `tally-out` equals the number of non-poison votes published for it
 //!   (the store is restored on every move, and inputs are applied exactly once);
@@ -75,6 +80,9 @@ struct Args {
     /// How often changed totals are emitted (e.g. 1s, 500ms).
     #[arg(long, default_value = "1s", global = true, value_parser = parse_duration)]
     window: Duration,
+    /// Votes of a partition counted at once, each with a short simulated I/O (`defer`).
+    #[arg(long, default_value_t = 1, global = true, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    concurrency: u32,
     /// Embedded broker only: how many votes the demo feeds itself.
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(10..=10_000_000))]
     demo: u64,
@@ -95,6 +103,10 @@ enum Command {
         /// How many of them are poison (their choice is poison-<voter>).
         #[arg(long, default_value_t = 0)]
         poison: u64,
+        /// How many of them are flaky (their choice is flaky-<voter mod choices>): each
+        /// fails its first attempt and is counted on its retry.
+        #[arg(long, default_value_t = 0)]
+        flaky: u64,
         /// The first voter's number.
         #[arg(long, default_value_t = 0)]
         start: u64,
@@ -117,6 +129,8 @@ struct Counts {
 struct Tally {
     out: StreamDef<Total>,
     counts: Rc<Counts>,
+    /// Votes run through `defer` (`--concurrency` over 1).
+    deferred: bool,
 }
 
 impl Tally {
@@ -140,9 +154,31 @@ impl Task for Tally {
             self.counts.failed_attempts.set(self.counts.failed_attempts.get() + 1);
             return Err(TaskError::failed(format!("vote of voter {} is poison", vote.voter)));
         }
+        let first_attempt = ctx.message().is_none_or(|m| m.attempt == 1);
+        let flaky = vote.choice.starts_with("flaky") && first_attempt;
+        let voter = vote.voter;
+        if flaky && !self.deferred {
+            self.counts.failed_attempts.set(self.counts.failed_attempts.get() + 1);
+            return Err(TaskError::failed(format!("vote of voter {voter} is flaky: its first attempt fails")));
+        }
         ctx.store(&COUNTS)?.update(vote.choice.clone(), |n| Some(n.unwrap_or(0) + 1))?;
         ctx.store(&UNREPORTED)?.put(vote.choice, ())?;
-        self.counts.counted.set(self.counts.counted.get() + 1);
+        if !self.deferred {
+            self.counts.counted.set(self.counts.counted.get() + 1);
+            return Ok(());
+        }
+        // The simulated I/O: the vote counts once it succeeds; a flaky vote's first
+        // attempt fails there, after its writes (which the runtime undoes).
+        let counts = self.counts.clone();
+        ctx.defer(async move {
+            tokio::time::sleep(Duration::from_millis(1 + voter % 3)).await;
+            if flaky {
+                counts.failed_attempts.set(counts.failed_attempts.get() + 1);
+                return Err(TaskError::failed(format!("vote of voter {voter} is flaky: its first attempt fails")));
+            }
+            counts.counted.set(counts.counted.get() + 1);
+            Ok(())
+        });
         Ok(())
     }
 
@@ -159,11 +195,13 @@ impl Task for Tally {
 fn job(args: &Args, counts: Rc<Counts>) -> Job {
     let input = StreamDef::<Vote>::ordered("tally-in", args.partitions);
     let out = StreamDef::<Total>::ordered("tally-out", args.partitions);
+    let deferred = args.concurrency > 1;
     Job::new("tally")
-        .task(input, move |_| Tally { out, counts: counts.clone() })
+        .task(input, move |_| Tally { out, counts: counts.clone(), deferred })
         .store(COUNTS)
         .store(UNREPORTED)
         .window_every(args.window)
+        .max_concurrency(args.concurrency as usize)
         .max_attempts(args.max_attempts)
         .ack_wait(args.ack_wait)
         .retry(RetryPolicy {
@@ -177,27 +215,39 @@ fn job(args: &Args, counts: Rc<Counts>) -> Job {
         .output(out)
 }
 
-/// Publishes votes `start..start+count` over `choices` choices, `poison` of them poison.
-async fn publish(
-    broker: &SharedBroker,
-    partitions: u32,
+/// What `publish` sends: votes `start..start+count` over `choices` choices, `poison`
+/// of them poison and `flaky` of them flaky.
+#[derive(Debug, Clone, Copy)]
+struct Votes {
     start: u64,
     count: u64,
     choices: u64,
     poison: u64,
-) -> anyhow::Result<BTreeMap<String, u64>> {
+    flaky: u64,
+}
+
+/// Publishes `votes`; returns the votes that count, per choice.
+async fn publish(broker: &SharedBroker, partitions: u32, votes: Votes) -> anyhow::Result<BTreeMap<String, u64>> {
+    let Votes { start, count, choices, poison, flaky } = votes;
     let codec = flotilla::transport::wire::Codec::default();
     let every = count.checked_div(poison).map_or(u64::MAX, |n| n.max(1));
+    // Flaky votes sit a third of the way into each of their spans, away from poison.
+    let every_flaky = count.checked_div(flaky).map_or(u64::MAX, |n| n.max(1));
     let mut expected = BTreeMap::new();
     let mut batch = Vec::new();
-    let mut poisoned = 0;
+    let (mut poisoned, mut flaked) = (0, 0);
     for i in 0..count {
         let voter = start + i;
         let choice = if poison > poisoned && i % every == every / 2 {
             poisoned += 1;
             format!("poison-{voter}")
         } else {
-            let c = format!("choice-{}", voter % choices);
+            let c = if flaky > flaked && i % every_flaky == every_flaky / 3 {
+                flaked += 1;
+                format!("flaky-{}", voter % choices)
+            } else {
+                format!("choice-{}", voter % choices)
+            };
             *expected.entry(c.clone()).or_insert(0) += 1;
             c
         };
@@ -246,7 +296,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(Command::Control(command)) = args.command.clone() {
         std::process::exit(flotilla::node::runner::control(&args.node, "tally", command));
     }
-    if let Some(Command::Publish { count, choices, poison, start }) = args.command.clone() {
+    if let Some(Command::Publish { count, choices, poison, flaky, start }) = args.command.clone() {
         let config = args.node.resolve()?;
         if config.urls().is_empty() {
             bail!(
@@ -255,6 +305,9 @@ fn main() -> anyhow::Result<()> {
         }
         if poison > count {
             bail!("--poison {poison} is more than --count {count}");
+        }
+        if poison + flaky > count {
+            bail!("--poison {poison} and --flaky {flaky} together are more than --count {count}");
         }
         flotilla::node::runner::init_logging(&flotilla::node::config::NodeConfig {
             log: Some(config.log.clone().unwrap_or_else(|| "warn".into())),
@@ -265,8 +318,11 @@ fn main() -> anyhow::Result<()> {
             let broker = args.node.connect("tally-publisher").await?;
             job(&args, Rc::default()).replicas(config.replicas()?).provision(broker.clone()).await?;
             let started = Instant::now();
-            publish(&broker, args.partitions, start, count, choices, poison).await?;
-            println!("published {count} votes ({poison} poison) into tally-in in {:?}", started.elapsed());
+            publish(&broker, args.partitions, Votes { start, count, choices, poison, flaky }).await?;
+            println!(
+                "published {count} votes ({poison} poison, {flaky} flaky) into tally-in in {:?}",
+                started.elapsed()
+            );
             Ok(())
         });
     }
@@ -282,8 +338,9 @@ fn main() -> anyhow::Result<()> {
         if !node.embedded {
             return;
         }
-        // Embedded: feed a demo set (3 poison votes), wait until counted, compare.
-        let expected = match publish(&node.broker, partitions, 0, demo, 7, 3).await {
+        // Embedded: feed a demo set (3 poison votes, 3 flaky), wait until counted, compare.
+        let votes = Votes { start: 0, count: demo, choices: 7, poison: 3, flaky: 3 };
+        let expected = match publish(&node.broker, partitions, votes).await {
             Ok(e) => e,
             Err(e) => {
                 eprintln!("tally: demo publish failed: {e}");
@@ -305,7 +362,7 @@ fn main() -> anyhow::Result<()> {
                 }
                 let ok = last == expected;
                 println!(
-                    "tally (embedded): published {demo} votes (3 poison) over 7 choices; last totals {}",
+                    "tally (embedded): published {demo} votes (3 poison, 3 flaky) over 7 choices; last totals {}",
                     if ok { "match the votes" } else { "DO NOT match the votes" }
                 );
                 v.set(Some(ok));

@@ -54,10 +54,16 @@ fn wordcount_counts_every_word() {
 
 #[test]
 fn tally_counts_votes_in_stores_and_refuses_bad_flags() {
-    let (ok, out, err) = run("tally", &["--demo", "2000", "--window", "200ms"]);
-    assert!(ok, "{out}\n{err}");
-    assert!(out.contains("published 2000 votes (3 poison) over 7 choices; last totals match the votes"), "{out}");
-    assert!(out.contains("counted 1997 votes"), "{out}");
+    for concurrency in ["1", "4"] {
+        let (ok, out, err) = run("tally", &["--demo", "2000", "--window", "200ms", "--concurrency", concurrency]);
+        assert!(ok, "{out}\n{err}");
+        assert!(
+            out.contains("published 2000 votes (3 poison, 3 flaky) over 7 choices; last totals match the votes"),
+            "{out}"
+        );
+        // 3 poison votes fail 3 attempts each, 3 flaky ones their first.
+        assert!(out.contains("counted 1997 votes; 12 failed attempts"), "--concurrency {concurrency}: {out}");
+    }
     let (ok, _, err) = run("tally", &["--window", "often"]);
     assert!(!ok);
     assert!(err.contains("write a duration like 30s"), "{err}");

@@ -24,21 +24,37 @@ struct Total {
 /// publishes (the same rule as examples/tally.rs).
 fn expected(chunks: &[(u64, u64, u64)], into: &mut BTreeMap<String, u64>) {
     for &(start, count, poison) in chunks {
-        let every = count.checked_div(poison).map_or(u64::MAX, |n| n.max(1));
-        let mut poisoned = 0;
-        for i in 0..count {
-            if poison > poisoned && i % every == every / 2 {
-                poisoned += 1;
-                continue;
-            }
-            *into.entry(format!("choice-{}", (start + i) % CHOICES)).or_default() += 1;
+        expected_with_flaky(start, count, poison, 0, into);
+    }
+}
+
+/// The same with `--flaky F`: F votes `flaky-<voter mod 7>`, each counted once.
+fn expected_with_flaky(start: u64, count: u64, poison: u64, flaky: u64, into: &mut BTreeMap<String, u64>) {
+    let every = count.checked_div(poison).map_or(u64::MAX, |n| n.max(1));
+    let every_flaky = count.checked_div(flaky).map_or(u64::MAX, |n| n.max(1));
+    let (mut poisoned, mut flaked) = (0, 0);
+    for i in 0..count {
+        if poison > poisoned && i % every == every / 2 {
+            poisoned += 1;
+            continue;
         }
+        let choice = if flaky > flaked && i % every_flaky == every_flaky / 3 {
+            flaked += 1;
+            format!("flaky-{}", (start + i) % CHOICES)
+        } else {
+            format!("choice-{}", (start + i) % CHOICES)
+        };
+        *into.entry(choice).or_default() += 1;
     }
 }
 
 fn publish(c: &RelayCluster, start: u64, count: u64, poison: u64) {
-    let (s, n, p) = (start.to_string(), count.to_string(), poison.to_string());
-    let out = c.relay_cmd(&["publish", "--count", &n, "--choices", "7", "--poison", &p, "--start", &s]);
+    publish_flaky(c, start, count, poison, 0);
+}
+
+fn publish_flaky(c: &RelayCluster, start: u64, count: u64, poison: u64, flaky: u64) {
+    let (s, n, p, f) = (start.to_string(), count.to_string(), poison.to_string(), flaky.to_string());
+    let out = c.relay_cmd(&["publish", "--count", &n, "--choices", "7", "--poison", &p, "--flaky", &f, "--start", &s]);
     assert!(out.status.success(), "publish failed: {}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -106,6 +122,38 @@ async fn tally_totals_are_exact_after_a_kill_a_restart_a_stop_and_a_join() {
     let dead = read_stream(&c.broker, DLQ).await.len();
     assert_eq!(dead, 3, "the 3 poison votes, and nothing else, are dead letters{}", c.all_logs());
     assert!(!held.is_empty(), "a held partitions when it was killed");
+}
+
+/// `tally --concurrency 4`: votes run four at a time through `defer`, flaky ones fail
+/// their first attempt after their writes, poison ones every attempt. Through a kill -9
+/// with a same-id restart and a graceful stop, every total ends exact (safety: no vote
+/// lost or counted twice, a flaky vote counted once) and only the poison votes are dead
+/// letters (safety); the waits are liveness.
+#[actix_rt::test]
+async fn tally_with_concurrency_counts_flaky_votes_once_through_a_kill_and_a_stop() {
+    let server = NatsServer::start();
+    let mut c = RelayCluster::example_on(
+        ("tally", "tally-in"),
+        &server.url(),
+        &["--window", "300ms", "--concurrency", "4"],
+        &["a", "b", "c"],
+    )
+    .await;
+    c.wait_balanced(&["a", "b", "c"], Duration::from_secs(60)).await;
+    let mut want = BTreeMap::new();
+    expected_with_flaky(0, 6_000, 3, 40, &mut want);
+    expected_with_flaky(6_000, 6_000, 0, 40, &mut want);
+    publish_flaky(&c, 0, 6_000, 3, 40);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.signal("a", "KILL");
+    publish_flaky(&c, 6_000, 6_000, 0, 40);
+    c.add("a");
+    c.signal("b", "TERM");
+    let status = c.wait_exit_async("b", Duration::from_secs(60)).await;
+    assert!(status.success(), "liveness: b's graceful stop failed: {status:?}{}", c.all_logs());
+    wait_totals(&c, &want, Duration::from_secs(180)).await;
+    let dead = read_stream(&c.broker, DLQ).await.len();
+    assert_eq!(dead, 3, "safety: the 3 poison votes, and nothing else, are dead letters{}", c.all_logs());
 }
 
 // A node is crashed (abort, as kill -9) at each step of a flush, then restarted with
