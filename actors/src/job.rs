@@ -45,7 +45,7 @@ use flotilla_transport::wire::{Codec, JobName, MessageId, NameError, StreamName,
 use std::rc::Rc;
 use std::time::Duration;
 use tokio::sync::oneshot;
-use tracing::info;
+use tracing::{info, warn};
 
 /// The most replicas a JetStream stream can have.
 pub const MAX_REPLICAS: usize = 5;
@@ -588,8 +588,21 @@ impl Job {
         }
         let (timers, reaper) = node_services(&broker, &subjects);
         let (tx, rx) = oneshot::channel();
-        let container = Container::new(broker, subjects, self.container, slots, timers, reaper, tx).start();
-        Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone(), membership: None })
+        let container_config = self.stopping_config();
+        let stop_deadline = container_config.stop_timeout;
+        let container = Container::new(broker, subjects, container_config, slots, timers, reaper, tx).start();
+        Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone(), membership: None, stop_deadline })
+    }
+
+    /// The container's settings, its stop bounded by the tasks' drain timeouts: a worker
+    /// hands back what is still in flight at its drain timeout and takes at most
+    /// [`FINISH_BUDGET`](crate::task_worker::FINISH_BUDGET) more to report, so a stop
+    /// that takes longer than both has something stuck (the broker unreachable), and the
+    /// container exits saying what it left.
+    fn stopping_config(&self) -> ContainerConfig {
+        let drain = self.tasks.iter().map(|t| t.config.drain_timeout).max().unwrap_or_default();
+        let bound = drain + crate::task_worker::FINISH_BUDGET + Duration::from_secs(1);
+        ContainerConfig { stop_timeout: self.container.stop_timeout.min(bound), ..self.container.clone() }
     }
 
     /// Provisions and starts the job as one node of a cluster (DESIGN §7): registers
@@ -739,6 +752,7 @@ impl Job {
         let mut slots = Vec::new();
         let mut queue_slots = Vec::new();
         let mut ordered = Vec::new();
+        let container_config = self.stopping_config();
         let tasks: Rc<Vec<TaskEntry>> = Rc::new(self.tasks);
         for t in tasks.iter() {
             let name = StreamName::new(t.stream)?;
@@ -803,10 +817,18 @@ impl Job {
             membership_ctx.add_message_stream(requests.map(ControlMessage));
         }
         let membership = membership_ctx.address();
-        let container =
-            Container::new(broker.clone(), subjects.clone(), self.container, slots, timers.clone(), reaper.clone(), tx)
-                .observed_by(membership.clone().recipient(), factory)
-                .start();
+        let stop_deadline = container_config.stop_timeout;
+        let container = Container::new(
+            broker.clone(),
+            subjects.clone(),
+            container_config,
+            slots,
+            timers.clone(),
+            reaper.clone(),
+            tx,
+        )
+        .observed_by(membership.clone().recipient(), factory)
+        .start();
         let (left, _) = tokio::sync::watch::channel(None);
         membership_ctx.run(Membership::new(MembershipSetup {
             broker: broker.clone(),
@@ -827,7 +849,7 @@ impl Job {
             left: left.clone(),
             parked: env.parked.clone(),
         }));
-        Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)) })
+        Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)), stop_deadline })
     }
 }
 
@@ -1048,7 +1070,13 @@ pub struct RunningJob {
     run_id: String,
     /// Cluster mode: the node's membership, and why it left.
     membership: Option<(Addr<Membership>, tokio::sync::watch::Sender<Option<LeaveReason>>)>,
+    /// How long a graceful stop may take before the container exits anyway.
+    stop_deadline: Duration,
 }
+
+/// How long a node that stopped may take to delete its leases and membership before it
+/// goes without (they expire on their own, after the lease TTL).
+pub const DEREGISTER_BUDGET: Duration = Duration::from_secs(3);
 
 impl RunningJob {
     /// The run id drain markers must carry.
@@ -1069,6 +1097,12 @@ impl RunningJob {
         }
     }
 
+    /// The longest a graceful stop takes, whatever the network does: the container's
+    /// stop deadline and [`DEREGISTER_BUDGET`]. A process may exit once it passed.
+    pub fn stop_deadline(&self) -> Duration {
+        self.stop_deadline + DEREGISTER_BUDGET
+    }
+
     /// Why the node left the cluster, once it does (cluster mode).
     pub fn left(&self) -> Option<tokio::sync::watch::Receiver<Option<LeaveReason>>> {
         self.membership.as_ref().map(|(_, tx)| tx.subscribe())
@@ -1078,16 +1112,26 @@ impl RunningJob {
     /// membership, so other nodes take its partitions at once.
     ///
     /// # Errors
-    /// [`JobError::Failed`] when a task failed the container.
+    /// [`JobError::Failed`] when a task failed the container, or the stop could not
+    /// finish (workers still running at the stop deadline, or the leases not deleted
+    /// within [`DEREGISTER_BUDGET`]): the message says what was left undone.
     pub async fn wait(self) -> Result<(), JobError> {
         let exit = self.exit.await;
-        if let Some((m, _)) = &self.membership {
-            let _ = m.send(Deregister).await;
+        let mut undone = None;
+        if let Some((m, _)) = &self.membership
+            && tokio::time::timeout(DEREGISTER_BUDGET, m.send(Deregister)).await.is_err()
+        {
+            let what = "this node's leases and membership were not deleted (the broker did not answer within 3 s): its partitions move once their leases expire";
+            warn!("{what}");
+            undone = Some(what);
         }
-        match exit {
-            Ok(ContainerExit::Completed) => Ok(()),
-            Ok(ContainerExit::Failed(reason)) => Err(JobError::Failed(reason)),
-            Err(_) => Err(JobError::Failed("the container stopped without reporting".into())),
+        match (exit, undone) {
+            (Ok(ContainerExit::Failed(reason)), _) => Err(JobError::Failed(reason)),
+            (Err(_), _) => Err(JobError::Failed("the container stopped without reporting".into())),
+            (Ok(ContainerExit::Completed), Some(what)) => {
+                Err(JobError::Failed(format!("the stop did not finish: {what}")))
+            }
+            (Ok(ContainerExit::Completed), None) => Ok(()),
         }
     }
 }

@@ -13,6 +13,7 @@ use flotilla_actors::{Job, JobError, JobStopper, Producer, StreamType};
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use std::future::Future;
 use std::path::PathBuf;
+use std::time::Duration;
 use tracing::{info, warn};
 
 /// Flags every Flotilla node takes (flatten them into a job binary's own flags). Each
@@ -350,14 +351,28 @@ where
             node_id: node_id.clone(),
         };
         let stopper = running.stopper();
+        // A stop ends in time whatever the network does: the job bounds each step, and
+        // a watchdog ends the process if it still runs a little after that.
+        let watchdog = StopWatchdog::new(running.stop_deadline() + WATCHDOG_GRACE);
+        let on_signal = watchdog.clone();
         actix::spawn(async move {
             wait_for_signal().await;
             warn!("signal received: stopping gracefully (send another to exit at once)");
+            on_signal.arm();
             stopper.stop();
             wait_for_signal().await;
             warn!("second signal: exiting now");
             std::process::exit(130);
         });
+        if let Some(mut left) = running.left() {
+            // Leaving the cluster (stop, shutdown, drain, end): the same bound.
+            let on_leave = watchdog.clone();
+            actix::spawn(async move {
+                if left.wait_for(Option::is_some).await.is_ok() {
+                    on_leave.arm();
+                }
+            });
+        }
         actix::spawn(driver(handle));
         let left = running.left();
         let result = running.wait().await;
@@ -366,6 +381,45 @@ where
         }
         result.map_err(NodeError::from)
     })
+}
+
+/// How long past its job's stop deadline a stopping node may still run before the
+/// watchdog ends it.
+const WATCHDOG_GRACE: Duration = Duration::from_secs(2);
+
+/// The exit status of a node whose stop did not finish in time.
+pub const STOP_TIMED_OUT_STATUS: i32 = 75;
+
+/// Ends the process once a stop has taken longer than it can (its steps are bounded;
+/// this is the backstop for one that is not, such as a broker call that never answers).
+#[derive(Clone)]
+struct StopWatchdog {
+    after: Duration,
+    armed: std::sync::Arc<std::sync::Once>,
+}
+
+impl StopWatchdog {
+    fn new(after: Duration) -> Self {
+        Self { after, armed: std::sync::Arc::new(std::sync::Once::new()) }
+    }
+
+    /// Starts the countdown (once): a thread of its own, so a wedged runtime cannot
+    /// hold it up.
+    fn arm(&self) {
+        let after = self.after;
+        self.armed.call_once(|| {
+            std::thread::spawn(move || {
+                std::thread::sleep(after);
+                tracing::error!(
+                    after = ?after,
+                    status = STOP_TIMED_OUT_STATUS,
+                    "the stop did not finish in time: exiting without handing over what is left (unacknowledged messages come again after ack-wait, leases expire on their own)"
+                );
+                eprintln!("flotilla: the stop did not finish within {after:?}; exiting with status {STOP_TIMED_OUT_STATUS}");
+                std::process::exit(STOP_TIMED_OUT_STATUS);
+            });
+        });
+    }
 }
 
 /// The exit status of a node that panicked outside a task's code (EX_SOFTWARE).

@@ -86,3 +86,61 @@ async fn a_queue_node_stopped_past_its_ack_wait_loses_and_duplicates_nothing() {
     );
     assert!(redelivered > 0, "nothing b held was redelivered to a: the freeze tested nothing");
 }
+
+/// A stop must end: two nodes whose server stops answering (SIGSTOP: connections stay
+/// open, every request hangs, and the clients end up reconnecting) are sent SIGTERM. Each exits within its drain timeout
+/// plus 10 s (the contract under test; it failed before: the nodes logged "workers did
+/// not stop in time" after 60 s and ran on until a second signal), with a non-zero
+/// status since it could not hand over, and says what it left undone.
+#[actix_rt::test]
+async fn a_node_stopped_while_its_server_is_unreachable_exits_within_its_drain_timeout() {
+    let mut c = RelayCluster::start(&[]).await;
+    let drain = Duration::from_secs(4);
+    let launch = Launch { args: ["--drain-timeout", "4s"].map(String::from).to_vec(), ..Launch::default() };
+    c.add_with("a", launch.clone());
+    c.add_with("b", launch);
+    c.wait_balanced(&["a", "b"], Duration::from_secs(60)).await;
+    // Slow records, so both nodes hold work in flight when the server goes quiet.
+    let out = c.relay_cmd(&["publish", "--count", "0"]);
+    assert!(out.status.success(), "provisioning: {}", String::from_utf8_lossy(&out.stderr));
+    let batch = (0..64u64)
+        .map(|id| {
+            let payload = Codec::default().encode(&Record { id, body: "sleep:3000".into() }).expect("encode");
+            OutboundMessage::new(format!("flotilla.relay.relay-in.{}", id % 8), payload)
+                .with_id(format!("slow-{id}"))
+                .with_header(headers::KEY, id.to_string())
+                .with_header(headers::TYPE, "Record")
+        })
+        .collect();
+    for ack in c.broker.publish_batch(batch).await {
+        ack.expect("publish");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let server = c.server.as_ref().expect("the cluster's own server");
+    server.signal("STOP");
+    // Past two ping intervals: the clients notice and are reconnecting when asked to stop.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let asked = Instant::now();
+    c.signal("a", "TERM");
+    c.signal("b", "TERM");
+    let bound = drain + Duration::from_secs(10);
+    let mut statuses = Vec::new();
+    for id in ["a", "b"] {
+        let left = bound.saturating_sub(asked.elapsed());
+        let status = c.wait_exit_async(id, left).await;
+        statuses.push((id, status, asked.elapsed()));
+    }
+    if let Some(server) = c.server.as_ref() {
+        server.signal("CONT");
+    }
+    for (id, status, took) in statuses {
+        assert!(took <= bound, "node {id} took {took:?} to stop, over {bound:?}{}", c.all_logs());
+        assert!(!status.success(), "node {id} could not hand over, yet exited 0 ({status:?}){}", c.all_logs());
+        let log = c.log_text(id);
+        assert!(
+            log.contains("the stop did not finish") || log.contains("were not deleted"),
+            "node {id} did not say what it left undone:\n{}",
+            flotilla_tests::relay_cluster::tail(&log, 30)
+        );
+    }
+}

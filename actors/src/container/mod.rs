@@ -211,7 +211,9 @@ pub struct ContainerConfig {
     pub backlog_strikes: u32,
     /// How often queue inputs are swept for stranded messages.
     pub sweep_interval: Duration,
-    /// How long a graceful stop may take before the container exits anyway.
+    /// How long a graceful stop may take before the container exits anyway (failed,
+    /// naming the partitions still running). A job bounds it further by its tasks'
+    /// drain timeouts.
     pub stop_timeout: Duration,
 }
 
@@ -477,8 +479,27 @@ impl Container {
                 w.stop.do_send(StopWorker);
             }
         }
-        ctx.run_later(self.config.stop_timeout, |act, ctx| {
-            warn!("workers did not stop in time; exiting anyway");
+        let deadline = self.config.stop_timeout;
+        ctx.run_later(deadline, move |act, ctx| {
+            if act.exit.is_none() {
+                return;
+            }
+            let running: Vec<String> = act
+                .slots
+                .values()
+                .filter(|s| !s.finished && s.worker.is_some())
+                .map(|s| match s.spec.partition {
+                    Some(p) => format!("{} partition {p}", s.spec.stream),
+                    None => s.spec.stream.to_string(),
+                })
+                .collect();
+            let undone = format!(
+                "the stop did not finish within {deadline:?}: {} still running ({}); what they held unacknowledged comes again after ack-wait, their leases expire on their own",
+                running.len(),
+                running.join(", ")
+            );
+            warn!(%undone, "workers did not stop in time; exiting anyway");
+            act.failure.get_or_insert(undone);
             act.exit(ctx);
         });
         self.maybe_exit(ctx);

@@ -73,6 +73,11 @@ use tracing::{Instrument, debug, info, warn};
 /// The job's KV bucket of suspects ([`SuspectRecord`] per partition).
 pub const SUSPECTS: &str = "SUSPECTS";
 
+/// How long a worker that ends may take to send its hand-backs and confirm its last
+/// commit before it reports its end anyway (the broker unreachable): a stop ends within
+/// the drain timeout and this.
+pub const FINISH_BUDGET: Duration = Duration::from_secs(3);
+
 /// Where a worker's messages come from.
 #[derive(Debug, Clone)]
 pub struct Binding {
@@ -1953,16 +1958,25 @@ impl<T: Task> TaskWorker<T> {
         ctx.spawn(
             async move {
                 // Hand-backs counted and sent first: the process may exit once it hears.
-                if !releases.is_empty()
-                    && tokio::time::timeout(Duration::from_secs(5), futures::future::join_all(releases)).await.is_err()
-                {
-                    warn!(stream, "hand-backs still unsent after 5 s: those messages come again after their ack-wait");
-                }
-                let _ = flush.await;
-                if let Some(confirm) = confirm
-                    && let Err(e) = confirm.await
-                {
-                    warn!(stream, partition, error = %e, "last commit not confirmed; the next owner may process its messages again");
+                // All of it within a budget, whatever the network does.
+                let handed_over = async {
+                    let _ = futures::future::join_all(releases).await;
+                    let _ = flush.await;
+                    match confirm {
+                        Some(confirm) => confirm.await.map_err(|e| e.to_string()),
+                        None => Ok(()),
+                    }
+                };
+                match tokio::time::timeout(FINISH_BUDGET, handed_over).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        warn!(stream, partition, error = %e, "last commit not confirmed; the next owner may process its messages again");
+                    }
+                    Err(_) => warn!(
+                        stream,
+                        partition,
+                        "hand-backs and the last commit not confirmed within {FINISH_BUDGET:?} (the broker does not answer): the next owner may process those messages again"
+                    ),
                 }
                 container.do_send(report);
             }
