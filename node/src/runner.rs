@@ -75,6 +75,19 @@ pub struct NodeArgs {
     /// (`host:port`, e.g. 127.0.0.1:9090; port 0 picks a free one).
     #[arg(long, env = "FLOTILLA_HTTP", global = true, value_name = "ADDR")]
     pub http: Option<String>,
+    /// The HTTP endpoint's token, sent as `Authorization: Bearer TOKEN`: replaying dead
+    /// letters needs it, and once it is set so does every read but the page and
+    /// /healthz (16 or more characters; open the dashboard as http://ADDR/#token=TOKEN).
+    #[arg(long, env = "FLOTILLA_HTTP_TOKEN", global = true, hide_env_values = true, value_name = "TOKEN")]
+    pub http_token: Option<String>,
+    /// A file holding the HTTP endpoint's token (read at start, trimmed), instead of --http-token.
+    #[arg(long, env = "FLOTILLA_HTTP_TOKEN_FILE", global = true, value_name = "PATH")]
+    pub http_token_file: Option<PathBuf>,
+    /// A host name the HTTP endpoint answers to besides its address (`name` or
+    /// `name:port`; repeat it, or separate with commas). Requests naming another host
+    /// are refused, so a page cannot reach the node through a name of its own (DNS rebinding).
+    #[arg(long = "http-host", env = "FLOTILLA_HTTP_HOSTS", global = true, value_name = "NAME", value_delimiter = ',')]
+    pub http_hosts: Vec<String>,
     /// Export the run loop's spans over OTLP/HTTP to this collector (e.g.
     /// http://127.0.0.1:4318; needs a binary built with the `otlp` cargo feature).
     #[arg(long, env = "FLOTILLA_OTLP_ENDPOINT", global = true, value_name = "URL")]
@@ -92,6 +105,9 @@ impl NodeArgs {
             log_json: self.log_json,
             replicas: self.replicas,
             http: self.http.clone(),
+            http_token: self.http_token.clone(),
+            http_token_file: self.http_token_file.clone(),
+            http_hosts: (!self.http_hosts.is_empty()).then(|| self.http_hosts.clone()),
             otlp_endpoint: self.otlp_endpoint.clone(),
             connect: ConnectConfig {
                 user: self.nats_user.clone(),
