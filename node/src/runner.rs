@@ -327,6 +327,11 @@ where
     let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
     let _telemetry = init_telemetry(&config, job.name(), &node_id)?;
     exit_on_panic_outside_tasks();
+    // A token file that cannot be used stops the node before it connects.
+    let http_settings = crate::http::Settings {
+        token: if config.http.is_some() { config.http_token()? } else { None },
+        hosts: config.http_hosts.clone().unwrap_or_default(),
+    };
     // Installed before the job starts: the actors' metric handles are made then.
     let recorder = match &config.http {
         Some(_) => Some(crate::http::install_recorder()?),
@@ -346,7 +351,7 @@ where
         // node before it takes any partition.
         if let (Some(addr), Some(recorder)) = (&config.http, recorder) {
             let served = crate::http::Served { job: name.clone(), node: node_id.clone(), broker: broker.clone() };
-            let endpoint = crate::http::serve(addr, served, recorder)?;
+            let endpoint = crate::http::serve(addr, served, recorder, http_settings)?;
             // One line a script can read to find a port chosen with :0.
             info!(addr = %endpoint.addr, url = %format!("http://{}/", endpoint.addr), "dashboard and metrics");
         }
