@@ -11,6 +11,9 @@
 //! log_json = false
 //! replicas = 3                   # copies of every stream and bucket (a NATS cluster of 3+)
 //! http = "127.0.0.1:9090"        # serve /metrics, /api/status and the dashboard here
+//! http_token_file = "/etc/flotilla/http-token"  # or http_token = "…": replays need it, and
+//!                                # every read but the page and /healthz once it is set
+//! http_hosts = ["flotilla.internal"]  # names it answers to besides its address
 //! otlp_endpoint = "http://127.0.0.1:4318"   # export spans (a binary built with feature otlp)
 //!
 //! [connect]
@@ -175,6 +178,16 @@ pub struct NodeConfig {
     /// Where to serve `/metrics`, `/api/status` and the dashboard (`host:port`; none
     /// by default).
     pub http: Option<String>,
+    /// The HTTP endpoint's token (`Authorization: Bearer <token>`): replays need it,
+    /// and every read but the page and `/healthz` once it is set. At least 16
+    /// characters; see [`http_token`](Self::http_token).
+    pub http_token: Option<String>,
+    /// A file holding the HTTP endpoint's token (read at start, trimmed), instead of
+    /// `http_token`.
+    pub http_token_file: Option<PathBuf>,
+    /// Host names the HTTP endpoint answers to besides its bound address (`name` for
+    /// any port, or `name:port`); requests naming any other host are refused.
+    pub http_hosts: Option<Vec<String>>,
     /// Where to export spans over OTLP/HTTP (binaries built with the `otlp` feature).
     pub otlp_endpoint: Option<String>,
     /// NATS connection settings.
@@ -210,6 +223,7 @@ impl NodeConfig {
         let l = lower.connect;
         let k = self.cluster;
         let lk = lower.cluster;
+        let token_set = self.http_token.is_some() || self.http_token_file.is_some();
         NodeConfig {
             cluster: ClusterSettings {
                 lease_ttl: k.lease_ttl.or(lk.lease_ttl),
@@ -223,6 +237,10 @@ impl NodeConfig {
             log_json: self.log_json.or(lower.log_json),
             replicas: self.replicas.or(lower.replicas),
             http: self.http.or(lower.http),
+            // The token and its file are one setting: the layer that gives either wins.
+            http_token: if token_set { self.http_token } else { lower.http_token },
+            http_token_file: if token_set { self.http_token_file } else { lower.http_token_file },
+            http_hosts: self.http_hosts.or(lower.http_hosts),
             otlp_endpoint: self.otlp_endpoint.or(lower.otlp_endpoint),
             connect: ConnectConfig {
                 user: c.user.or(l.user),
@@ -348,10 +366,57 @@ impl NodeConfig {
         }
     }
 
+    /// The HTTP endpoint's token: `http_token`, or what `http_token_file` holds, trimmed.
+    ///
+    /// # Errors
+    /// [`ConfigError::Value`] when both are given, the file cannot be read, or the token
+    /// is empty, shorter than 16 characters, or holds a space or a character a header
+    /// cannot carry.
+    pub fn http_token(&self) -> Result<Option<String>, ConfigError> {
+        const FILE: &str = "http_token_file (--http-token-file, FLOTILLA_HTTP_TOKEN_FILE)";
+        const TOKEN: &str = "http_token (--http-token, FLOTILLA_HTTP_TOKEN)";
+        let (setting, what, token) = match (&self.http_token, &self.http_token_file) {
+            (None, None) => return Ok(None),
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Value {
+                    setting: format!("{TOKEN} / {FILE}"),
+                    problem: "give the token or a file holding it, not both".into(),
+                });
+            }
+            (Some(token), None) => (TOKEN, "the http token".to_owned(), token.clone()),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Value {
+                    setting: FILE.into(),
+                    problem: format!("cannot read the http token file {}: {e}", path.display()),
+                })?;
+                (FILE, format!("the http token file {}", path.display()), text)
+            }
+        };
+        let token = token.trim();
+        let problem = if token.is_empty() {
+            Some(format!("{what} is empty: put a token of 16 or more characters there (e.g. `openssl rand -hex 32`)"))
+        } else if token.chars().count() < 16 {
+            Some(format!(
+                "{what} is {} characters: use 16 or more (e.g. `openssl rand -hex 32`)",
+                token.chars().count()
+            ))
+        } else if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            Some(format!("{what} holds a space or a character other than printable ASCII, which a header cannot carry"))
+        } else {
+            None
+        };
+        match problem {
+            Some(problem) => Err(ConfigError::Value { setting: setting.into(), problem }),
+            None => Ok(Some(token.to_owned())),
+        }
+    }
+
     /// The configuration as TOML, secrets redacted.
     pub fn to_toml_redacted(&self) -> String {
         let mut shown = self.clone();
-        for secret in [&mut shown.connect.password, &mut shown.connect.token, &mut shown.connect.nkey_seed] {
+        for secret in
+            [&mut shown.connect.password, &mut shown.connect.token, &mut shown.connect.nkey_seed, &mut shown.http_token]
+        {
             if secret.is_some() {
                 *secret = Some("<redacted>".into());
             }
@@ -472,6 +537,36 @@ request_timeout = "750ms"
         assert!(c.cluster_config().expect_err("too short").to_string().contains("lease_ttl"));
         let err = NodeConfig::from_toml("[cluster]\nlease = \"3s\"\n").expect_err("unknown key");
         assert!(err.contains("lease") && err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn the_http_token_comes_from_a_setting_or_a_file_and_is_checked() {
+        let dir = tempfile::tempdir().expect("dir");
+        let file = dir.path().join("token");
+        std::fs::write(&file, "  0123456789abcdef0123\n").expect("write");
+        let c = NodeConfig::from_toml(&format!("http_token_file = {:?}\nhttp_hosts = [\"a.example\"]\n", file))
+            .expect("parses");
+        assert_eq!(c.http_token().expect("read").as_deref(), Some("0123456789abcdef0123"), "trimmed");
+        assert_eq!(c.http_hosts.as_deref(), Some(&["a.example".to_owned()][..]));
+        // A flag's token replaces the file's token file: one setting.
+        let flags = NodeConfig { http_token: Some("from-the-flag-0123".into()), ..Default::default() };
+        assert_eq!(flags.over(c.clone()).http_token().expect("flag").as_deref(), Some("from-the-flag-0123"));
+        let both = NodeConfig { http_token: Some("from-the-flag-0123".into()), ..c.clone() };
+        assert!(both.http_token().expect_err("both").to_string().contains("not both"));
+        for (text, says) in [(" \n", "is empty"), ("short", "5 characters"), ("0123456789 abcdef", "space")] {
+            std::fs::write(&file, text).expect("write");
+            let err = c.http_token().expect_err("refused").to_string();
+            assert!(
+                err.contains("http token file") && err.contains(says) && err.contains("--http-token-file"),
+                "{err}"
+            );
+        }
+        let gone = NodeConfig { http_token_file: Some(dir.path().join("missing")), ..Default::default() };
+        assert!(gone.http_token().expect_err("unreadable").to_string().contains("cannot read the http token file"));
+        assert_eq!(NodeConfig::default().http_token().expect("none"), None);
+        let shown =
+            NodeConfig { http_token: Some("from-the-flag-0123".into()), ..Default::default() }.to_toml_redacted();
+        assert!(!shown.contains("from-the-flag") && shown.contains("<redacted>"), "{shown}");
     }
 
     #[test]

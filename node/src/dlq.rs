@@ -14,7 +14,7 @@ use crate::control::ControlError;
 use flotilla_actors::StreamType;
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StoredMessage};
 use flotilla_transport::clock::unix_millis;
-use flotilla_transport::wire::{Codec, JobName, Subjects, headers};
+use flotilla_transport::wire::{Codec, JobName, StreamName, Subjects, headers};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -178,6 +178,15 @@ impl DeadLetterEntry {
     }
 }
 
+/// One page of a listing ([`DeadLetters::page`]).
+#[derive(Debug, Clone, Default)]
+pub struct Page {
+    /// The entries, oldest first, without payloads (`size` still says how big).
+    pub entries: Vec<DeadLetterEntry>,
+    /// When the page stopped before the end: the id to read on after.
+    pub next: Option<u64>,
+}
+
 /// The DLQ of one job.
 pub struct DeadLetters {
     broker: SharedBroker,
@@ -202,42 +211,87 @@ impl DeadLetters {
         Ok(Self { broker, subjects, stream })
     }
 
-    /// The entries matching the filters, oldest first, at most `limit`.
+    /// The entries matching the filters, oldest first, at most `limit`, with their
+    /// payloads (a replay of them sends these).
     ///
     /// # Errors
-    /// [`ControlError::Refused`] when the job has no DLQ; broker failures.
+    /// [`ControlError::Refused`] when the job has no DLQ or `stream` is not a stream
+    /// name; broker failures.
     pub async fn list(
         &self,
         stream: Option<&str>,
         reason: Option<&str>,
         limit: usize,
     ) -> Result<Vec<DeadLetterEntry>, ControlError> {
-        let state = match self.broker.stream_state(&self.stream).await {
-            Ok(s) => s,
-            Err(BrokerError::StreamNotFound { .. }) => {
-                return Err(ControlError::Refused(format!(
-                    "job {} has no dead-letter stream on this server: start a node of it first",
-                    self.subjects.job()
-                )));
-            }
-            Err(e) => return Err(e.into()),
+        Ok(self.scan(stream, reason, 0, limit, usize::MAX, true).await?.entries)
+    }
+
+    /// One page of the listing: up to `limit` entries with ids over `after` matching the
+    /// filters, oldest first, without their payloads, reading at most `max_reads`
+    /// entries. Each read is one request that skips deleted entries and, with `stream`,
+    /// other streams' entries; only a `reason` filter reads entries it does not list.
+    ///
+    /// # Errors
+    /// As [`list`](Self::list).
+    pub async fn page(
+        &self,
+        stream: Option<&str>,
+        reason: Option<&str>,
+        after: u64,
+        limit: usize,
+        max_reads: usize,
+    ) -> Result<Page, ControlError> {
+        self.scan(stream, reason, after, limit, max_reads, false).await
+    }
+
+    async fn scan(
+        &self,
+        stream: Option<&str>,
+        reason: Option<&str>,
+        after: u64,
+        limit: usize,
+        max_reads: usize,
+        payloads: bool,
+    ) -> Result<Page, ControlError> {
+        let subject = match stream {
+            None => self.subjects.dlq_all(),
+            Some("_timers") => self.subjects.dlq_timers(),
+            Some(s) => self
+                .subjects
+                .dlq(&StreamName::new(s).map_err(|e| ControlError::Refused(format!("stream filter {s:?}: {e}")))?),
         };
-        let mut out = Vec::new();
-        if state.messages == 0 {
-            return Ok(out);
-        }
-        // An empty JetStream stream reports 0 as its first sequence; sequences start at 1.
-        let mut seq = state.first_seq.max(1);
-        while seq <= state.last_seq && out.len() < limit {
-            if let Some(m) = self.broker.get_message(&self.stream, seq).await? {
-                let entry = DeadLetterEntry::from_stored(m);
-                if entry.matches(stream, reason) {
-                    out.push(entry);
-                }
+        let mut page = Page::default();
+        let mut seq = after.saturating_add(1);
+        let mut reads = 0;
+        while page.entries.len() < limit {
+            if reads == max_reads {
+                page.next = Some(seq - 1);
+                return Ok(page);
             }
-            seq += 1;
+            let stored = match self.broker.get_next_message(&self.stream, seq, &subject).await {
+                Ok(Some(m)) => m,
+                Ok(None) => return Ok(page),
+                Err(BrokerError::StreamNotFound { .. }) => {
+                    return Err(ControlError::Refused(format!(
+                        "job {} has no dead-letter stream on this server: start a node of it first",
+                        self.subjects.job()
+                    )));
+                }
+                Err(e) => return Err(e.into()),
+            };
+            reads += 1;
+            seq = stored.seq.saturating_add(1);
+            let mut entry = DeadLetterEntry::from_stored(stored);
+            if entry.matches(stream, reason) {
+                if !payloads {
+                    entry.payload = bytes::Bytes::new();
+                }
+                page.entries.push(entry);
+            }
         }
-        Ok(out)
+        // Stopped at the limit: more may follow.
+        page.next = Some(seq - 1);
+        Ok(page)
     }
 
     /// One entry.
@@ -561,6 +615,49 @@ mod tests {
         let mut elsewhere = stored();
         elsewhere.headers.insert(headers::DLQ_SUBJECT, "$JS.API.STREAM.DELETE.X");
         assert!(DeadLetterEntry::from_stored(elsewhere).replay_message(&subjects).is_err());
+    }
+
+    /// A DLQ of 30 entries (ids 1 to 30: odd ones `orders`/`handler`, even ones
+    /// `payments`/`max-attempts`), the first 10 deleted.
+    async fn thirty_with_ten_deleted() -> DeadLetters {
+        use flotilla_transport::broker::{Retention, StreamSpec};
+        let broker = flotilla_transport::EmbeddedBroker::new().shared();
+        let spec = StreamSpec::new("FLOTILLA_shop_DLQ", vec!["flotilla.shop._dlq.>".into()], Retention::Limits);
+        broker.ensure_stream(spec).await.expect("stream");
+        for n in 1..=30u64 {
+            let (stream, reason) = if n % 2 == 1 { ("orders", "handler") } else { ("payments", "max-attempts") };
+            let msg = OutboundMessage::new(format!("flotilla.shop._dlq.{stream}"), b"poison".to_vec())
+                .with_header(headers::DLQ_REASON, reason)
+                .with_header(headers::DLQ_SUBJECT, format!("flotilla.shop.{stream}.0"));
+            assert_eq!(broker.publish(msg).await.expect("publish").seq, n);
+        }
+        for seq in 1..=10 {
+            assert!(broker.delete_message("FLOTILLA_shop_DLQ", seq).await.expect("delete"));
+        }
+        DeadLetters::new(broker, "shop").expect("dlq")
+    }
+
+    fn ids(page: &Page) -> Vec<u64> {
+        page.entries.iter().map(|e| e.id).collect()
+    }
+
+    #[tokio::test]
+    async fn a_page_stops_at_its_limit_or_its_reads_and_says_where_to_go_on() {
+        let dlq = thirty_with_ten_deleted().await;
+        let first = dlq.page(None, None, 0, 5, 100).await.expect("page");
+        assert_eq!((ids(&first), first.next), ((11..=15).collect(), Some(15)), "past the deleted ones");
+        assert!(first.entries.iter().all(|e| e.payload.is_empty() && e.size == 6), "no payloads held, sizes kept");
+        let rest = dlq.page(None, None, 15, 100, 100).await.expect("page");
+        assert_eq!((ids(&rest), rest.next), ((16..=30).collect(), None), "the last page");
+        let payments = dlq.page(Some("payments"), None, 0, 100, 100).await.expect("page");
+        assert_eq!(ids(&payments), (12..=30).step_by(2).collect::<Vec<_>>());
+        // A reason filter reads what it skips, up to the reads allowed.
+        let handler = dlq.page(None, Some("handler"), 0, 100, 4).await.expect("page");
+        assert_eq!((ids(&handler), handler.next), (vec![11, 13], Some(14)));
+        let err = dlq.page(Some("a.>"), None, 0, 10, 10).await.expect_err("not a stream name");
+        assert!(err.to_string().contains("stream filter"), "{err}");
+        let listed = dlq.list(Some("orders"), None, 2).await.expect("list");
+        assert!(listed.iter().all(|e| e.payload.as_ref() == b"poison"), "a listing to replay keeps payloads");
     }
 
     #[test]

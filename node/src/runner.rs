@@ -76,6 +76,19 @@ pub struct NodeArgs {
     /// (`host:port`, e.g. 127.0.0.1:9090; port 0 picks a free one).
     #[arg(long, env = "FLOTILLA_HTTP", global = true, value_name = "ADDR")]
     pub http: Option<String>,
+    /// The HTTP endpoint's token, sent as `Authorization: Bearer TOKEN`: replaying dead
+    /// letters needs it, and once it is set so does every read but the page and
+    /// /healthz (16 or more characters; open the dashboard as http://ADDR/#token=TOKEN).
+    #[arg(long, env = "FLOTILLA_HTTP_TOKEN", global = true, hide_env_values = true, value_name = "TOKEN")]
+    pub http_token: Option<String>,
+    /// A file holding the HTTP endpoint's token (read at start, trimmed), instead of --http-token.
+    #[arg(long, env = "FLOTILLA_HTTP_TOKEN_FILE", global = true, value_name = "PATH")]
+    pub http_token_file: Option<PathBuf>,
+    /// A host name the HTTP endpoint answers to besides its address (`name` or
+    /// `name:port`; repeat it, or separate with commas). Requests naming another host
+    /// are refused, so a page cannot reach the node through a name of its own (DNS rebinding).
+    #[arg(long = "http-host", env = "FLOTILLA_HTTP_HOSTS", global = true, value_name = "NAME", value_delimiter = ',')]
+    pub http_hosts: Vec<String>,
     /// Export the run loop's spans over OTLP/HTTP to this collector (e.g.
     /// http://127.0.0.1:4318; needs a binary built with the `otlp` cargo feature).
     #[arg(long, env = "FLOTILLA_OTLP_ENDPOINT", global = true, value_name = "URL")]
@@ -93,6 +106,9 @@ impl NodeArgs {
             log_json: self.log_json,
             replicas: self.replicas,
             http: self.http.clone(),
+            http_token: self.http_token.clone(),
+            http_token_file: self.http_token_file.clone(),
+            http_hosts: (!self.http_hosts.is_empty()).then(|| self.http_hosts.clone()),
             otlp_endpoint: self.otlp_endpoint.clone(),
             connect: ConnectConfig {
                 user: self.nats_user.clone(),
@@ -312,6 +328,11 @@ where
     let node_id = config.node_id.clone().unwrap_or_else(default_node_id);
     let _telemetry = init_telemetry(&config, job.name(), &node_id)?;
     exit_on_panic_outside_tasks();
+    // A token file that cannot be used stops the node before it connects.
+    let http_settings = crate::http::Settings {
+        token: if config.http.is_some() { config.http_token()? } else { None },
+        hosts: config.http_hosts.clone().unwrap_or_default(),
+    };
     // Installed before the job starts: the actors' metric handles are made then.
     let recorder = match &config.http {
         Some(_) => Some(crate::http::install_recorder()?),
@@ -331,7 +352,7 @@ where
         // node before it takes any partition.
         if let (Some(addr), Some(recorder)) = (&config.http, recorder) {
             let served = crate::http::Served { job: name.clone(), node: node_id.clone(), broker: broker.clone() };
-            let endpoint = crate::http::serve(addr, served, recorder)?;
+            let endpoint = crate::http::serve(addr, served, recorder, http_settings)?;
             // One line a script can read to find a port chosen with :0.
             info!(addr = %endpoint.addr, url = %format!("http://{}/", endpoint.addr), "dashboard and metrics");
         }

@@ -241,16 +241,21 @@ fn screenshots() -> std::path::PathBuf {
     dir
 }
 
-/// Three relay nodes, each serving `--http`; the page of one of them, in a real
-/// headless Chromium: it shows every partition and node, sees a killed node's
-/// partitions move to the others, and replays a dead letter when its button is
-/// clicked (the entry leaves the list, on the page and in the stream).
+/// The dashboard test's token (`FLOTILLA_HTTP_TOKEN`).
+const TOKEN: &str = "dashboard-test-token-0123456789";
+
+/// Three relay nodes, each serving `--http` with a token; the page of one of them, in a
+/// real headless Chromium: without the token it says how to give it; opened with
+/// `#token=…` (which it drops from the address) it shows every partition and node, sees
+/// a killed node's partitions move to the others, and replays a dead letter when its
+/// button is clicked (the entry leaves the list, on the page and in the stream).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_real_browser() {
     let mut c = RelayCluster::start(&[]).await;
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     for (id, port) in ["dash-a", "dash-b", "dash-c"].into_iter().zip(&ports) {
-        c.add_with(id, http_launch(*port));
+        let env = vec![("FLOTILLA_HTTP_TOKEN".to_owned(), TOKEN.to_owned())];
+        c.add_with(id, Launch { env, ..http_launch(*port) });
     }
     let owners = c.wait_balanced(&["dash-a", "dash-b", "dash-c"], Duration::from_secs(60)).await;
     let out = c.relay_cmd(&["publish", "--count", "200", "--poison", "2"]);
@@ -265,6 +270,13 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
     let browser = tokio::task::spawn_blocking(move || {
         let b = Browser::start(&dir).unwrap_or_else(|e| panic!("a real browser for the dashboard test: {e}"));
         b.goto(&url).expect("open the dashboard");
+        b.wait_for("the page says it needs the token", Duration::from_secs(30), |b| {
+            let conn = b.texts("#conn")?;
+            Ok(conn.iter().any(|t| t.contains("needs its token") && t.contains("#token=")).then_some(()))
+        })
+        .expect("without the token the page says how to give it");
+        b.screenshot("0-token-needed").expect("screenshot");
+        b.goto(&format!("{url}#token={TOKEN}")).expect("open the dashboard with the token");
         b.wait_for("every partition owned, three nodes listed", Duration::from_secs(30), |b| {
             let owners = page_owners(b)?;
             let nodes = b.texts("#nodes tbody tr td:first-child")?;
@@ -272,6 +284,8 @@ async fn the_dashboard_shows_partitions_moving_and_replays_a_dead_letter_in_a_re
         })
         .expect("the page shows the cluster");
         let shown = page_owners(&b).expect("owners");
+        let href = b.eval("return location.href;").expect("href");
+        assert!(!href.to_string().contains(TOKEN), "the token is dropped from the address: {href}");
         let shot = b.screenshot("1-three-nodes").expect("screenshot");
         eprintln!("screenshot: {}", shot.display());
         (b, shown)

@@ -62,6 +62,7 @@ conformance!(
     publish_without_stream_is_refused,
     oversize_publish_is_refused,
     get_and_delete_by_sequence,
+    get_next_skips_gaps_and_other_subjects,
     kv_create_race_has_one_winner,
     kv_compare_and_set,
     kv_expiry,
@@ -512,6 +513,26 @@ mod cases {
         assert!(b.get_message("Q", seq).await.expect("get").is_none());
         assert!(!b.delete_message("Q", seq).await.expect("delete again"));
         assert!(b.get_message("Q", 999).await.expect("get").is_none());
+    }
+
+    /// What a listing reads: the next stored message of a subject at or after a
+    /// sequence, without a read per deleted sequence or per message of another subject.
+    pub async fn get_next_skips_gaps_and_other_subjects(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        for (subject, body) in [("q.a", "1"), ("q.b", "2"), ("q.a", "3"), ("q.a", "4"), ("q.b", "5")] {
+            publish(&b, subject, body).await;
+        }
+        assert!(b.delete_message("Q", 3).await.expect("delete"));
+        let next = async |seq: u64, subject: &str| {
+            b.get_next_message("Q", seq, subject).await.expect("get next").map(|m| (m.seq, m.subject, m.payload))
+        };
+        assert_eq!(next(0, "q.>").await, Some((1, "q.a".into(), Bytes::from("1"))), "0 reads from the first");
+        assert_eq!(next(2, "q.>").await.map(|m| m.0), Some(2));
+        assert_eq!(next(2, "q.a").await.map(|m| m.0), Some(4), "past another subject's message and a deleted one");
+        assert_eq!(next(5, "q.a").await, None);
+        assert_eq!(next(5, "q.*").await.map(|m| m.0), Some(5));
+        assert_eq!(next(6, "q.>").await, None, "past the end");
+        assert!(matches!(b.get_next_message("NOPE", 1, "q.>").await, Err(BrokerError::StreamNotFound { .. })));
     }
 
     async fn bucket(b: &SharedBroker, ttl: Option<Duration>) {

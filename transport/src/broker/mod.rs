@@ -216,6 +216,15 @@ pub trait Broker: Send + Sync + std::fmt::Debug + 'static {
     /// Reads one stored message by stream sequence; `None` when there is none.
     fn get_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<Option<StoredMessage>>>;
 
+    /// Reads the first stored message at or after `seq` whose subject matches
+    /// `subject` (`*` and `>` wildcards allowed); `None` when there is none. One
+    /// request, however many deleted sequences or other subjects' messages lie between.
+    ///
+    /// # Errors
+    /// [`BrokerError::StreamNotFound`].
+    fn get_next_message(&self, stream: &str, seq: u64, subject: &str)
+    -> BoxFuture<BrokerResult<Option<StoredMessage>>>;
+
     /// Deletes one stored message by stream sequence; `Ok(false)` when it was not there.
     fn delete_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<bool>>;
 

@@ -433,6 +433,16 @@ impl Broker for EmbeddedBroker {
         ready(st.stream(stream).map(|s| s.get(seq)))
     }
 
+    fn get_next_message(
+        &self,
+        stream: &str,
+        seq: u64,
+        subject: &str,
+    ) -> BoxFuture<BrokerResult<Option<StoredMessage>>> {
+        let mut st = self.inner.lock();
+        ready(st.stream(stream).map(|s| s.next_for(seq, subject)))
+    }
+
     fn delete_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<bool>> {
         let mut st = self.inner.lock();
         ready(st.stream(stream).map(|s| s.remove(seq)))

@@ -663,6 +663,13 @@ impl Stream {
         Ok(())
     }
 
+    /// The first message at or after `seq` on a subject matching `pattern`.
+    pub fn next_for(&self, seq: u64, pattern: &str) -> Option<StoredMessage> {
+        let (&found, _) =
+            self.msgs.range(seq..).find(|(_, m)| crate::broker::compare::subject_matches(pattern, &m.subject))?;
+        self.get(found)
+    }
+
     pub fn get(&self, seq: u64) -> Option<StoredMessage> {
         self.msgs.get(&seq).map(|m| StoredMessage {
             subject: m.subject.to_string(),

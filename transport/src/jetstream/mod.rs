@@ -1164,6 +1164,42 @@ impl Broker for JetStreamBroker {
         })
     }
 
+    fn get_next_message(
+        &self,
+        stream: &str,
+        seq: u64,
+        subject: &str,
+    ) -> BoxFuture<BrokerResult<Option<StoredMessage>>> {
+        let inner = self.inner.clone();
+        let stream = stream.to_owned();
+        let subject = subject.to_owned();
+        Box::pin(async move {
+            let s = inner.stream_handle(&stream).await?;
+            // `$JS.API.STREAM.MSG.GET` with `seq` and `next_by_subj` (2.9+): the server
+            // skips deleted sequences and other subjects itself.
+            match s.raw_message_builder().sequence(seq.max(1)).next_by_subject(subject.clone()).send().await {
+                Ok(m) => Ok(Some(StoredMessage {
+                    subject: m.subject.to_string(),
+                    seq: m.sequence,
+                    headers: from_header_map(Some(&m.headers)),
+                    payload: m.payload,
+                    published: SystemTime::from(m.time),
+                })),
+                Err(e)
+                    if matches!(e.kind(), stream::RawMessageErrorKind::NoMessageFound)
+                        || js_code(&e) == Some(10037) =>
+                {
+                    Ok(None)
+                }
+                Err(e) => Err(api_error(
+                    &format!("get the next message of {subject} from {seq} in {stream}"),
+                    e,
+                    inner.request_timeout,
+                )),
+            }
+        })
+    }
+
     fn delete_message(&self, stream: &str, seq: u64) -> BoxFuture<BrokerResult<bool>> {
         let inner = self.inner.clone();
         let stream = stream.to_owned();

@@ -7,6 +7,23 @@ const $ = (id) => document.getElementById(id);
 const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const key = (p) => `${p.stream}/${p.partition ?? "queue"}`;
 
+// The node's token (--http-token): taken from the URL fragment, `/#token=…`, which the
+// browser never sends to the server, then kept for this tab only and dropped from the
+// address bar. Every request sends it as `Authorization: Bearer …`.
+const TOKEN_KEY = "flotilla-token";
+function takeToken() {
+  const m = /(?:^#|&)token=([^&]*)/.exec(location.hash);
+  if (m) {
+    sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+}
+takeToken();
+window.addEventListener("hashchange", () => { takeToken(); servedBy(); });
+const token = () => sessionStorage.getItem(TOKEN_KEY);
+const auth = () => (token() ? { Authorization: `Bearer ${token()}` } : {});
+const TOKEN_HINT = `open this page as ${location.origin}/#token=TOKEN, with the node's --http-token`;
+
 let previous = null;        // the last status, for rates and moves
 let previousAt = 0;
 const localEvents = [];     // lease moves and membership changes seen between polls
@@ -132,18 +149,24 @@ function renderEvents(server) {
   ).join("") || '<li class="hint">nothing yet</li>';
 }
 
-function renderDlq(entries) {
+function renderDlq(entries, total) {
+  const disabled = token() ? "" : ` disabled title="replay needs the node's token: ${esc(TOKEN_HINT)}"`;
   $("dlq").tBodies[0].innerHTML = entries.map((d) =>
     `<tr data-id="${d.id}"><td class="num">${d.id}</td><td>${esc(d.stream)}</td><td>${esc(d.key ?? "")}</td><td>${esc(d.reason)}</td>` +
     `<td class="num">${d.attempts}</td><td>${clock(d.dead_lettered_ms)}</td><td class="detail">${esc(d.detail)}</td>` +
-    `<td><button class="replay" data-id="${d.id}">Replay</button></td></tr>`
+    `<td><button class="replay" data-id="${d.id}"${disabled}>Replay</button></td></tr>`
   ).join("");
-  $("dlq-note").textContent = entries.length ? "" : "The dead-letter stream is empty.";
+  const notes = [];
+  if (!entries.length) notes.push("The dead-letter stream is empty.");
+  if (entries.length && total > entries.length) notes.push(`The oldest ${entries.length} of ${num(total)} are shown (\`flotilla dlq list\` lists more).`);
+  if (entries.length && !token()) notes.push(`Replaying needs the node's token: ${TOKEN_HINT}.`);
+  $("dlq-note").textContent = notes.join(" ");
 }
 
 async function getJson(path) {
-  const r = await fetch(path, { cache: "no-store" });
+  const r = await fetch(path, { cache: "no-store", headers: auth() });
   const body = await r.json();
+  if (r.status === 401) throw Object.assign(new Error(`this node needs its token: ${TOKEN_HINT}`), { token: true });
   if (!r.ok) throw new Error(body.error ?? r.statusText);
   return body;
 }
@@ -153,19 +176,19 @@ async function poll() {
     // Status first: the events read after it are at least as new (a move it shows is
     // listed with it).
     const status = await getJson("/api/status");
-    const [events, dlq] = await Promise.all([getJson("/api/events"), getJson("/api/dlq?limit=100").catch(() => null)]);
+    const [events, dlq] = await Promise.all([getJson("/api/events"), getJson("/api/dlq?limit=50").catch(() => null)]);
     const now = Date.now();
     const rates = diff(status, now);
     renderStatus(status, rates);
     renderEvents(events);
-    if (dlq) renderDlq(dlq);
+    if (dlq) renderDlq(dlq, status.dlq);
     previous = status;
     previousAt = now;
     $("conn").textContent = "live";
     $("conn").className = "pill ok";
     $("updated").textContent = clock(now);
   } catch (e) {
-    $("conn").textContent = `unreachable: ${e.message}`;
+    $("conn").textContent = e.token ? e.message : `unreachable: ${e.message}`;
     $("conn").className = "pill bad";
   } finally {
     setTimeout(poll, POLL_MS);
@@ -178,7 +201,7 @@ document.addEventListener("click", async (ev) => {
   button.disabled = true;
   button.textContent = "Replaying…";
   try {
-    const r = await fetch(`/api/dlq/${encodeURIComponent(button.dataset.id)}/replay`, { method: "POST", headers: { "x-flotilla-request": "replay" } });
+    const r = await fetch(`/api/dlq/${encodeURIComponent(button.dataset.id)}/replay`, { method: "POST", headers: auth() });
     const body = await r.json();
     if (!r.ok) throw new Error(body.error ?? r.statusText);
     note("replayed", `dead letter ${button.dataset.id} replayed`, "info");
@@ -190,5 +213,8 @@ document.addEventListener("click", async (ev) => {
   }
 });
 
-getJson("/api/node").then((n) => { $("served-by").textContent = `${n.node} (v${n.version})`; }).catch(() => {});
+function servedBy() {
+  getJson("/api/node").then((n) => { $("served-by").textContent = `${n.node} (v${n.version})`; }).catch(() => {});
+}
+servedBy();
 poll();

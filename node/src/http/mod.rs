@@ -7,18 +7,26 @@
 //! | `GET /metrics` | this node's metrics, Prometheus text format (`docs/metrics.md`) |
 //! | `GET /api/status` | the job's status: the same JSON as `flotilla status --json` |
 //! | `GET /api/events` | recent events of the job (every node's), newest last |
-//! | `GET /api/dlq?limit=N` | the dead letters, oldest first (as `dlq list --json`) |
+//! | `GET /api/dlq?limit=N&after=ID` | a page of the dead letters, oldest first (as `dlq list --json`) |
 //! | `POST /api/dlq/{id}/replay` | replays one dead letter (as `dlq replay ID`) |
 //! | `GET /healthz` | `ok` while the process serves |
 //!
+//! Requests must name this endpoint as their `Host`, replays need the node's token, and
+//! so does every read but the page and `/healthz` once a token is set ([`guard`]).
+//! Connections are capped and slow ones cut off ([`listen`]).
+//!
 //! It runs on a thread of its own with its own runtime, so scrapes and page loads never
 //! take time from the run loop's thread. The job's status is read at most once a second
-//! whoever asks (each read asks every node), and shared.
+//! whoever asks (each read asks every node), and shared; so is each page of the dead
+//! letters, for two seconds.
+
+pub mod guard;
+pub mod listen;
 
 use crate::control::{ControlClient, ControlError};
-use crate::dlq::DeadLetters;
+use crate::dlq::{DeadLetters, Page};
 use axum::extract::{Path, Query, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -27,7 +35,7 @@ use flotilla_transport::broker::{ConnectionEvent, SharedBroker};
 use futures::StreamExt;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::Deserialize;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -47,10 +55,24 @@ const STATUS_FRESH: Duration = Duration::from_secs(1);
 /// How long a status read may take before the page is told the job cannot be read.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The header a replay request must carry: a page of another site cannot set it on a
-/// cross-origin POST without the browser asking this endpoint first (which it refuses),
-/// so no other site can replay dead letters through a visitor's browser.
-pub const REQUEST_HEADER: &str = "x-flotilla-request";
+/// Dead letters a page lists unless asked for fewer or more.
+pub const DLQ_DEFAULT_LIMIT: usize = 50;
+
+/// Dead letters a page lists at most.
+pub const DLQ_MAX_LIMIT: usize = 100;
+
+/// Dead letters one page reads at most (only a `reason` filter reads entries it does
+/// not list); a page that stops there says where to go on.
+pub const DLQ_MAX_READS: usize = 250;
+
+/// How long a page of dead letters is shared (counted from when it was read).
+const DLQ_FRESH: Duration = Duration::from_secs(2);
+
+/// Pages of dead letters kept (different filters or positions).
+const DLQ_PAGES_KEPT: usize = 32;
+
+/// The header that says where the next page of dead letters starts (`?after=`).
+pub const DLQ_NEXT_HEADER: &str = "x-flotilla-dlq-next";
 
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +88,9 @@ pub enum HttpError {
     /// The metrics recorder could not be installed.
     #[error("cannot install the metrics recorder: {0}")]
     Recorder(String),
+    /// A `--http-host` is not a host name.
+    #[error(transparent)]
+    Host(#[from] guard::BadHostName),
 }
 
 static RECORDER: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -100,6 +125,15 @@ pub struct Served {
     pub broker: SharedBroker,
 }
 
+/// Who may ask the endpoint what (`docs/metrics.md`).
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    /// The token replays need, and every read but the page and `/healthz` once set.
+    pub token: Option<String>,
+    /// Names the endpoint answers to besides its bound address (`name` or `name:port`).
+    pub hosts: Vec<String>,
+}
+
 /// The running endpoint.
 #[derive(Debug)]
 pub struct HttpEndpoint {
@@ -112,19 +146,31 @@ struct AppState {
     metrics: PrometheusHandle,
     status: tokio::sync::Mutex<Option<(Instant, Result<serde_json::Value, String>)>>,
     events: Mutex<VecDeque<serde_json::Value>>,
+    dlq: tokio::sync::Mutex<HashMap<DlqQuery, (Instant, DlqAnswer)>>,
     started: Instant,
 }
+
+/// A page of dead letters as served: the JSON and where the next page starts, or the
+/// error.
+type DlqAnswer = Result<(bytes::Bytes, Option<u64>), (StatusCode, String)>;
 
 /// Listens on `addr` and serves on a thread of its own. The recorder must be
 /// installed ([`install_recorder`]).
 ///
 /// # Errors
-/// [`HttpError`] when the address cannot be listened on.
-pub fn serve(addr: &str, served: Served, metrics: PrometheusHandle) -> Result<HttpEndpoint, HttpError> {
+/// [`HttpError`] when the address cannot be listened on or a host name is not one.
+pub fn serve(
+    addr: &str,
+    served: Served,
+    metrics: PrometheusHandle,
+    settings: Settings,
+) -> Result<HttpEndpoint, HttpError> {
     let bind_error = |reason: String| HttpError::Bind { addr: addr.to_owned(), reason };
     let listener = std::net::TcpListener::bind(addr).map_err(|e| bind_error(e.to_string()))?;
     listener.set_nonblocking(true).map_err(|e| bind_error(e.to_string()))?;
     let local = listener.local_addr().map_err(|e| bind_error(e.to_string()))?;
+    let access =
+        Arc::new(guard::Access { hosts: guard::AllowedHosts::new(local, &settings.hosts)?, token: settings.token });
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -135,6 +181,7 @@ pub fn serve(addr: &str, served: Served, metrics: PrometheusHandle) -> Result<Ht
         metrics,
         status: tokio::sync::Mutex::new(None),
         events: Mutex::new(VecDeque::new()),
+        dlq: tokio::sync::Mutex::new(HashMap::new()),
         started: Instant::now(),
     });
     std::thread::Builder::new()
@@ -151,9 +198,8 @@ pub fn serve(addr: &str, served: Served, metrics: PrometheusHandle) -> Result<Ht
                 tokio::spawn(upkeep(state.clone()));
                 tokio::spawn(collect_events(state.clone()));
                 tokio::spawn(count_connection_events(state.served.broker.clone()));
-                if let Err(e) = axum::serve(listener, router(state)).await {
-                    warn!(error = %e, "the HTTP endpoint stopped");
-                }
+                listen::serve(listener, router(state, access)).await;
+                warn!("the HTTP endpoint stopped");
             })
         })
         .map_err(|e| bind_error(format!("no thread: {e}")))?;
@@ -173,7 +219,7 @@ fn node_gauges(served: &Served) {
     .set(1.0);
 }
 
-fn router(state: Arc<AppState>) -> Router {
+fn router(state: Arc<AppState>, access: Arc<guard::Access>) -> Router {
     Router::new()
         .route("/", get(|| async { Html(INDEX_HTML) }))
         .route("/app.js", get(|| async { ([(header::CONTENT_TYPE, "text/javascript; charset=utf-8")], APP_JS) }))
@@ -186,6 +232,7 @@ fn router(state: Arc<AppState>) -> Router {
         .route("/api/dlq", get(dlq_list))
         .route("/api/dlq/{id}/replay", post(dlq_replay))
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(access, guard::guard))
 }
 
 /// Histograms are drained into their buckets here too, so a node nobody scrapes
@@ -253,12 +300,17 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": message.into() }))).into_response()
 }
 
-fn control_error(e: ControlError) -> Response {
+fn control_status(e: &ControlError) -> (StatusCode, String) {
     let status = match e {
         ControlError::Refused(_) => StatusCode::BAD_REQUEST,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     };
-    error(status, e.to_string())
+    (status, e.to_string())
+}
+
+fn control_error(e: ControlError) -> Response {
+    let (status, message) = control_status(&e);
+    error(status, message)
 }
 
 async fn status(State(state): State<Arc<AppState>>) -> Response {
@@ -301,37 +353,74 @@ async fn events(State(state): State<Arc<AppState>>) -> Response {
     Json(kept).into_response()
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
 struct DlqQuery {
     limit: Option<usize>,
+    after: Option<u64>,
     stream: Option<String>,
     reason: Option<String>,
 }
 
-async fn dlq_list(State(state): State<Arc<AppState>>, Query(q): Query<DlqQuery>) -> Response {
-    let letters = match DeadLetters::new(state.served.broker.clone(), &state.served.job) {
-        Ok(d) => d,
-        Err(e) => return control_error(e),
+/// A page of dead letters: at most [`DLQ_MAX_LIMIT`], read at most once in
+/// [`DLQ_FRESH`] whoever asks; a page that stopped before the end says where the next
+/// starts in [`DLQ_NEXT_HEADER`].
+async fn dlq_list(State(state): State<Arc<AppState>>, Query(mut q): Query<DlqQuery>) -> Response {
+    q.limit = Some(q.limit.unwrap_or(DLQ_DEFAULT_LIMIT).clamp(1, DLQ_MAX_LIMIT));
+    let mut pages = state.dlq.lock().await;
+    let fresh = pages.get(&q).filter(|(at, _)| at.elapsed() < DLQ_FRESH).map(|(_, answer)| answer.clone());
+    let answer = match fresh {
+        Some(answer) => answer,
+        None => {
+            let answer = read_dlq_page(&state.served, &q).await;
+            if pages.len() >= DLQ_PAGES_KEPT {
+                pages.retain(|_, (at, _)| at.elapsed() < DLQ_FRESH);
+                if pages.len() >= DLQ_PAGES_KEPT {
+                    pages.clear();
+                }
+            }
+            // Fresh from when it was read: a slow read is still shared.
+            pages.insert(q, (Instant::now(), answer.clone()));
+            answer
+        }
     };
-    match letters.list(q.stream.as_deref(), q.reason.as_deref(), q.limit.unwrap_or(100).min(1000)).await {
-        Ok(entries) => Json(entries).into_response(),
-        Err(e) => control_error(e),
+    drop(pages);
+    match answer {
+        Ok((json, next)) => {
+            let mut response = ([(header::CONTENT_TYPE, "application/json")], json).into_response();
+            if let Some(next) = next {
+                response.headers_mut().insert(DLQ_NEXT_HEADER, HeaderValue::from(next));
+            }
+            response
+        }
+        Err((status, message)) => error(status, message),
     }
 }
 
-async fn dlq_replay(
-    State(state): State<Arc<AppState>>,
-    Path(id): Path<u64>,
-    request_headers: axum::http::HeaderMap,
-) -> Response {
-    if !request_headers.contains_key(REQUEST_HEADER) {
-        return error(StatusCode::FORBIDDEN, format!("a replay request must carry the {REQUEST_HEADER} header"));
+async fn read_dlq_page(served: &Served, q: &DlqQuery) -> DlqAnswer {
+    let read = async {
+        let letters = DeadLetters::new(served.broker.clone(), &served.job)?;
+        let limit = q.limit.unwrap_or(DLQ_DEFAULT_LIMIT);
+        letters.page(q.stream.as_deref(), q.reason.as_deref(), q.after.unwrap_or(0), limit, DLQ_MAX_READS).await
+    };
+    match tokio::time::timeout(STATUS_TIMEOUT, read).await {
+        Ok(Ok(Page { entries, next })) => Ok((serde_json::to_vec(&entries).unwrap_or_default().into(), next)),
+        Ok(Err(e)) => Err(control_status(&e)),
+        Err(_) => Err((
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the dead letters took over {STATUS_TIMEOUT:?} to read (is NATS reachable?)"),
+        )),
     }
+}
+
+async fn dlq_replay(State(state): State<Arc<AppState>>, Path(id): Path<u64>) -> Response {
     let letters = match DeadLetters::new(state.served.broker.clone(), &state.served.job) {
         Ok(d) => d,
         Err(e) => return control_error(e),
     };
-    match letters.replay_one(id).await {
+    let result = letters.replay_one(id).await;
+    // The pages shared show it no more (nor what a failed replay may have changed).
+    state.dlq.lock().await.clear();
+    match result {
         Ok(()) => {
             info!(id, "dead letter replayed from the dashboard");
             Json(serde_json::json!({ "replayed": 1 })).into_response()
