@@ -25,7 +25,11 @@ pub struct TaskConfig {
     pub commit_interval: Duration,
     /// Let commits overlap processing.
     pub async_commit: bool,
-    /// A `process` running longer than this fails the task; `None` never.
+    /// A `process` (with its deferred work and its outputs' publish) running longer
+    /// than this fails the task; `None` never. The default,
+    /// [`DEFAULT_CALLBACK_TIMEOUT`] (5 minutes), keeps a wedged handler from being
+    /// kept alive by in-progress acks for ever (Temporal requires a start-to-close
+    /// timeout for the same reason); a task whose messages may take longer sets its own.
     pub callback_timeout: Option<Duration>,
     /// Attempts and backoff for failing messages.
     pub retry: RetryPolicy,
@@ -51,6 +55,9 @@ pub struct TaskConfig {
     pub unavailable_retries: u32,
 }
 
+/// The default [`TaskConfig::callback_timeout`]: 5 minutes.
+pub const DEFAULT_CALLBACK_TIMEOUT: Duration = Duration::from_secs(300);
+
 impl Default for TaskConfig {
     fn default() -> Self {
         Self {
@@ -58,7 +65,7 @@ impl Default for TaskConfig {
             window_interval: None,
             commit_interval: Duration::from_secs(1),
             async_commit: false,
-            callback_timeout: None,
+            callback_timeout: Some(DEFAULT_CALLBACK_TIMEOUT),
             retry: RetryPolicy::default(),
             drain_timeout: Duration::from_secs(30),
             ack_wait: Duration::from_secs(30),

@@ -1138,6 +1138,40 @@ async fn a_message_that_hangs_its_task_every_time_is_dead_lettered_as_a_crash_lo
     job.wait().await.expect("clean stop");
 }
 
+/// The callback timeout has a default (5 minutes): a handler that hangs for ever with
+/// nothing set is not kept alive by in-progress acks for ever; it fails its task, and a
+/// record that hangs every owner ends in the DLQ as a crash loop.
+#[actix_rt::test]
+async fn a_hung_handler_is_timed_out_by_default() {
+    tokio::time::pause();
+    assert_eq!(
+        flotilla_actors::TaskConfig::default().callback_timeout,
+        Some(Duration::from_secs(300)),
+        "the documented default"
+    );
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t")
+        .task(IN, |_| Relay::<false>)
+        .on_failure(FailurePolicy::RestartTask)
+        .crash_limit(2)
+        .start(b.clone())
+        .await
+        .expect("start");
+    publish(&b, "in", true, 1, "sleep:100000000").await;
+    // Three hangs of 5 minutes (the first uncounted), then the DLQ.
+    let mut waited = Duration::ZERO;
+    while b.stream_state("FLOTILLA_t_DLQ").await.map(|s| s.messages).unwrap_or(0) == 0 {
+        assert!(waited < Duration::from_secs(3600), "the hung record was never timed out (an hour of virtual time)");
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        waited += Duration::from_secs(10);
+    }
+    assert!(waited >= Duration::from_secs(600), "not before two timeouts: {waited:?}");
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq[0].2.get(headers::DLQ_REASON), Some("crash-loop"));
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
+
 /// Errors are classified once (docs/errors.md): an output that can never be stored
 /// (over the codec's limit, or over the broker's max_payload once its headers are
 /// counted) dead-letters its message at once as `too-large`, without retries; being

@@ -313,6 +313,8 @@ pub struct TaskWorker<T: Task> {
     commit_tick_armed: bool,
     /// A heartbeat tick is on its way (armed while messages are held).
     heartbeat_armed: bool,
+    /// A callback-timeout check is on its way (armed while messages are in flight).
+    timeout_check_armed: bool,
     /// Output batches published and not yet stored (or given up).
     flushes_in_flight: usize,
     /// Tasks with stores (ordered inputs).
@@ -393,6 +395,7 @@ impl<T: Task> TaskWorker<T> {
             completed: 0,
             commit_tick_armed: false,
             heartbeat_armed: false,
+            timeout_check_armed: false,
             flushes_in_flight: 0,
             durable: None,
             applied_through: 0,
@@ -845,6 +848,16 @@ impl<T: Task> TaskWorker<T> {
         if !self.commit_tick_armed && self.state.uncommitted() {
             self.commit_tick_armed = true;
             self.timers.do_send(After { delay: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
+        }
+        if let Some(timeout) = self.config.callback_timeout
+            && !self.timeout_check_armed
+            && self.state.in_flight() > 0
+        {
+            // Checked every quarter of the timeout while something runs: an idle
+            // partition gets no ticks.
+            self.timeout_check_armed = true;
+            let delay = (timeout / 4).max(Duration::from_millis(10));
+            self.timers.do_send(After { delay, target: me.clone(), tick: Tick::CheckTimeouts });
         }
         let held = if self.binding.ordered() { !self.claimed.is_empty() } else { !self.inflight.is_empty() };
         if !self.heartbeat_armed && held {
@@ -2099,10 +2112,6 @@ impl<T: Task> Actor for TaskWorker<T> {
         if let Some(every) = self.config.window_interval {
             self.timers.do_send(Every { period: every, target: me.clone(), tick: Tick::Window });
         }
-        if let Some(timeout) = self.config.callback_timeout {
-            let every = (timeout / 4).max(Duration::from_millis(10));
-            self.timers.do_send(Every { period: every, target: me, tick: Tick::CheckTimeouts });
-        }
         if self.durable.is_some() {
             self.restore(ctx);
             return;
@@ -2213,6 +2222,7 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
                 self.heartbeat();
             }
             Tick::CheckTimeouts => {
+                self.timeout_check_armed = false;
                 if let Some(timeout) = self.config.callback_timeout {
                     let late = self.state.timed_out(Instant::now(), timeout);
                     if let Some(order) = late.first() {
