@@ -75,6 +75,12 @@ pub mod names {
     pub const NODE_INFO: &str = "flotilla_node_info";
     /// When the node started (seconds since the Unix epoch).
     pub const START_TIME: &str = "flotilla_node_start_time_seconds";
+    /// Messages in the job's dead-letter stream.
+    pub const DLQ_MESSAGES: &str = "flotilla_dlq_messages";
+    /// Bytes in the job's dead-letter stream.
+    pub const DLQ_BYTES: &str = "flotilla_dlq_bytes";
+    /// Age of the oldest dead letter.
+    pub const DLQ_OLDEST_AGE: &str = "flotilla_dlq_oldest_age_seconds";
 }
 
 /// Histogram buckets, in seconds: 50 µs to 30 s.
@@ -115,6 +121,18 @@ pub fn describe() {
     describe_gauge!(CONNECTED, "1 while connected to the NATS server");
     describe_gauge!(NODE_INFO, "1, labelled with the node's id, job and version");
     describe_gauge!(START_TIME, Unit::Seconds, "When the node started, seconds since the Unix epoch");
+    describe_gauge!(DLQ_MESSAGES, "Messages in the job's dead-letter stream");
+    describe_gauge!(DLQ_BYTES, Unit::Bytes, "Bytes in the job's dead-letter stream");
+    describe_gauge!(DLQ_OLDEST_AGE, Unit::Seconds, "Age of the oldest dead letter (0 when there is none)");
+}
+
+/// Records a reading of the job's dead-letter stream.
+pub fn dlq_reading(state: &flotilla_transport::broker::StreamState, now: std::time::SystemTime) {
+    use names::*;
+    metrics::gauge!(DLQ_MESSAGES).set(state.messages as f64);
+    metrics::gauge!(DLQ_BYTES).set(state.bytes as f64);
+    let age = state.first_published.and_then(|t| now.duration_since(t).ok()).unwrap_or_default();
+    metrics::gauge!(DLQ_OLDEST_AGE).set(age.as_secs_f64());
 }
 
 fn labels(stream: &str, partition: Option<u32>) -> Vec<(&'static str, String)> {

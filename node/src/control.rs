@@ -230,6 +230,12 @@ pub struct ClusterStatus {
     pub partitions: Vec<PartitionStatus>,
     /// Messages in the dead-letter stream.
     pub dlq: u64,
+    /// Bytes in the dead-letter stream (its size against any limit an operator set).
+    #[serde(default)]
+    pub dlq_bytes: u64,
+    /// Age of the oldest dead letter, in milliseconds (`None` when there is none).
+    #[serde(default)]
+    pub dlq_oldest_age_ms: Option<u64>,
     /// A drain of the current run that has not ended: it makes every node of the run
     /// drain and exit, those started later too, until it ends or is cancelled.
     pub pending_drain: Option<PendingDrain>,
@@ -511,7 +517,12 @@ impl ControlClient {
             .await
             .into_iter()
             .collect::<Result<_, _>>()?;
-        let dlq = self.broker.stream_state(&self.subjects.dlq_stream_name()).await.map(|s| s.messages).unwrap_or(0);
+        let dlq_state = self.broker.stream_state(&self.subjects.dlq_stream_name()).await.ok();
+        let dlq = dlq_state.as_ref().map_or(0, |s| s.messages);
+        let dlq_bytes = dlq_state.as_ref().map_or(0, |s| s.bytes);
+        let dlq_oldest_age_ms = dlq_state
+            .and_then(|s| s.first_published)
+            .map(|t| std::time::SystemTime::now().duration_since(t).unwrap_or_default().as_millis() as u64);
         let mut unreachable = BTreeMap::new();
         for input in &topology.inputs {
             let (Ok(name), Some(n)) = (StreamName::new(input.stream.clone()), input.partitions) else { continue };
@@ -542,6 +553,8 @@ impl ControlClient {
             silent,
             partitions,
             dlq,
+            dlq_bytes,
+            dlq_oldest_age_ms,
             unreachable,
             paused,
         })
@@ -1054,8 +1067,14 @@ fn set(set: &mut BTreeSet<String>, item: String, on: bool) {
 
 /// Prints `status` as tables.
 pub fn print_status(s: &ClusterStatus) {
+    let dlq_detail = match s.dlq_oldest_age_ms {
+        Some(age) if s.dlq > 0 => {
+            format!(" ({} bytes, oldest {})", s.dlq_bytes, humantime::format_duration(Duration::from_secs(age / 1000)))
+        }
+        _ => String::new(),
+    };
     crate::outln!(
-        "job {} · run {} · {} live node(s) · DLQ {} message(s){}",
+        "job {} · run {} · {} live node(s) · DLQ {} message(s){dlq_detail}{}",
         s.job,
         s.run_id.as_deref().unwrap_or("-"),
         s.members.len(),

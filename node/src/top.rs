@@ -213,6 +213,8 @@ mod tests {
             silent: Vec::new(),
             partitions,
             dlq: 2,
+            dlq_bytes: 0,
+            dlq_oldest_age_ms: None,
             pending_drain: None,
             parked_keys: BTreeMap::new(),
             parked_messages: 0,

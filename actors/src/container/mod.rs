@@ -624,7 +624,12 @@ impl Container {
                 (*i, spec.stream.clone(), spec.partition, source)
             })
             .collect();
+        let dlq = self.subjects.dlq_stream_name();
         let fut = async move {
+            // The dead letters, as part of the backlog an operator watches.
+            if let Ok(state) = broker.stream_state(&dlq).await {
+                crate::metrics::dlq_reading(&state, std::time::SystemTime::now());
+            }
             let mut readings = Vec::new();
             for (i, stream, partition, BacklogSource { js, consumer, subject }) in targets {
                 if let Ok(c) = broker.consumer_state(&js, &consumer).await {

@@ -267,6 +267,10 @@ pub struct StreamState {
     pub consumers: usize,
     /// The subjects it takes.
     pub subjects: Vec<String>,
+    /// Bytes stored (messages with their subjects and headers, as the server counts).
+    pub bytes: u64,
+    /// When the first stored message was published (`None` when empty).
+    pub first_published: Option<std::time::SystemTime>,
 }
 
 /// How a consumer acknowledges.

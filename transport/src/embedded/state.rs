@@ -27,6 +27,14 @@ pub(crate) struct Stored {
     pub stored_at: Instant,
 }
 
+impl Stored {
+    /// Its bytes as a server counts them: subject, headers and payload.
+    fn size(&self) -> u64 {
+        let headers: usize = self.headers.iter().map(|(name, value)| name.len() + value.len() + 4).sum();
+        (self.subject.len() + headers + self.payload.len()) as u64
+    }
+}
+
 pub(crate) struct Pending {
     pub count: u64,
     pub deadline: Instant,
@@ -94,6 +102,8 @@ pub(crate) struct Stream {
     pub spec: StreamSpec,
     pub name: Arc<str>,
     pub msgs: BTreeMap<u64, Stored>,
+    /// The bytes of `msgs` (subject, headers and payload of each).
+    pub bytes: u64,
     pub last_seq: u64,
     // Fx hashing: these are looked up for every message stored, taken and acked.
     pub by_subject: FxHashMap<Arc<str>, BTreeSet<u64>>,
@@ -166,6 +176,7 @@ impl Stream {
             name: Arc::from(spec.name.as_str()),
             spec,
             msgs: BTreeMap::new(),
+            bytes: 0,
             last_seq: 0,
             by_subject: FxHashMap::default(),
             dedupe: FxHashMap::default(),
@@ -190,6 +201,8 @@ impl Stream {
             last_seq: self.last_seq,
             consumers: self.consumers.len(),
             subjects: self.spec.subjects.clone(),
+            bytes: self.bytes,
+            first_published: self.msgs.values().next().map(|m| m.published),
         }
     }
 
@@ -217,6 +230,7 @@ impl Stream {
     /// Removes one message from the stream and from every consumer's bookkeeping.
     pub fn remove(&mut self, seq: u64) -> bool {
         let Some(m) = self.msgs.remove(&seq) else { return false };
+        self.bytes = self.bytes.saturating_sub(m.size());
         if let Some(set) = self.by_subject.get_mut(&m.subject) {
             set.remove(&seq);
             if set.is_empty() {
@@ -297,16 +311,15 @@ impl Stream {
                 }
             }
             self.by_subject.entry(subject.clone()).or_default().insert(seq);
-            self.msgs.insert(
-                seq,
-                Stored {
-                    subject: subject.clone(),
-                    headers: msg.headers,
-                    payload: msg.payload,
-                    published: system_now,
-                    stored_at: now,
-                },
-            );
+            let stored = Stored {
+                subject: subject.clone(),
+                headers: msg.headers,
+                payload: msg.payload,
+                published: system_now,
+                stored_at: now,
+            };
+            self.bytes += stored.size();
+            self.msgs.insert(seq, stored);
             if let Some(limit) = self.spec.max_msgs_per_subject {
                 let over: Vec<u64> = match self.by_subject.get(&subject) {
                     Some(set) if set.len() as u64 > limit => {

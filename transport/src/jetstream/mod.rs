@@ -364,6 +364,13 @@ fn stream_state(info: &stream::Info) -> StreamState {
         last_seq: info.state.last_sequence,
         consumers: info.state.consumer_count,
         subjects: info.config.subjects.clone(),
+        bytes: info.state.bytes,
+        first_published: (info.state.messages > 0)
+            .then(|| {
+                let nanos = info.state.first_timestamp.unix_timestamp_nanos();
+                u64::try_from(nanos).ok().map(|n| std::time::UNIX_EPOCH + std::time::Duration::from_nanos(n))
+            })
+            .flatten(),
     }
 }
 
