@@ -496,6 +496,14 @@ impl Job {
                 topology::bucket(&subjects, crate::task_worker::RELEASED, Some(crate::task_worker::RELEASED_TTL));
             broker.ensure_kv(released.with_replicas(r)).await?;
             broker.ensure_stream(topology::parked_stream(&subjects).with_replicas(r)).await?;
+            for t in self.tasks.iter().filter(|t| matches!(t.kind, StreamKind::Queue)) {
+                let name = StreamName::new(t.stream)?;
+                let js_stream = subjects.stream_name(&name);
+                let stranded = topology::stranded_stream(&js_stream, &name).with_replicas(r);
+                let stranded_name = stranded.name.clone();
+                broker.ensure_stream(stranded).await?;
+                broker.ensure_consumer(&stranded_name, topology::stranded_consumer()).await?;
+            }
         }
         if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
             broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;

@@ -693,6 +693,50 @@ async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
     running.wait().await.expect("stop");
 }
 
+/// The same under load: the queue is never idle (the sweep of an idle queue never
+/// runs), yet the stranded message is moved, from the `MAX_DELIVERIES` advisory the
+/// job's capture stream kept.
+#[actix_rt::test]
+async fn a_message_stranded_while_the_queue_stays_busy_is_dead_lettered_from_its_advisory() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let config =
+        flotilla_actors::container::ContainerConfig { sweep_interval: Duration::from_secs(5), ..Default::default() };
+    let job = || {
+        Job::new("t")
+            .task(JOBS, |_| Relay::<true>)
+            .max_concurrency(2)
+            .max_attempts(2)
+            .ack_wait(Duration::from_secs(1))
+            .container_config(config.clone())
+    };
+    job().provision(b.clone()).await.expect("provision");
+    publish(&b, "jobs", false, 42, "ok").await;
+    for _ in 0..2 + 1 + flotilla_actors::task_worker::RELEASE_ALLOWANCE {
+        let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
+        assert_eq!(got.len(), 1);
+    }
+    // Busy for a minute and a half: two at a time, one second each.
+    for id in 0..180 {
+        publish(&b, "jobs", false, 1000 + id, "sleep:1000").await;
+    }
+    let running = job().start(b.clone()).await.expect("start");
+    let mut waited = Duration::ZERO;
+    while b.stream_state("FLOTILLA_t_DLQ").await.map(|s| s.messages).unwrap_or(0) == 0 {
+        assert!(waited < Duration::from_secs(60), "liveness: the stranded message was not moved within 60 s");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        waited += Duration::from_millis(500);
+    }
+    let busy = b.consumer_state("FLOTILLA_t_jobs", "jobs-workers").await.expect("consumer");
+    assert!(busy.num_pending + busy.num_ack_pending > 0, "the queue was busy all along: {busy:?}");
+    let dlq = read_all(&b, "FLOTILLA_t_DLQ", None).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].1.id, 42);
+    assert_eq!(dlq[0].2.get(headers::DLQ_REASON), Some("max-deliveries"));
+    running.stop();
+    running.wait().await.expect("stop");
+}
+
 #[actix_rt::test]
 async fn a_delayed_output_arrives_when_due_and_survives_a_restart() {
     tokio::time::pause();

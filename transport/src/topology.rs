@@ -68,6 +68,35 @@ pub fn dlq_stream(subjects: &Subjects) -> StreamSpec {
     StreamSpec::new(subjects.dlq_stream_name(), vec![subjects.dlq_all()], Retention::Limits)
 }
 
+/// The stream that keeps the `MAX_DELIVERIES` advisories of queue input `stream` (its
+/// JetStream stream `js_stream`): each names a message stranded at the consumer's
+/// `max_deliver`, which the reaper moves to the dead-letter stream however busy the
+/// queue is. WorkQueue retention; kept a week at most.
+pub fn stranded_stream(js_stream: &str, stream: &StreamName) -> StreamSpec {
+    let subject =
+        format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{js_stream}.{}", Subjects::queue_consumer(stream));
+    let mut spec = StreamSpec::new(stranded_stream_name(js_stream), vec![subject], Retention::WorkQueue);
+    spec.max_age = Some(Duration::from_secs(7 * 24 * 3600));
+    spec
+}
+
+/// The name of [`stranded_stream`]: the queue input's JetStream stream with `_STRANDED`.
+pub fn stranded_stream_name(js_stream: &str) -> String {
+    format!("{js_stream}_STRANDED")
+}
+
+/// The reapers' consumer of a [`stranded_stream`].
+pub fn stranded_consumer() -> ConsumerSpec {
+    ConsumerSpec {
+        name: "reapers".into(),
+        filter_subject: None,
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(30),
+        max_deliver: None,
+        max_ack_pending: None,
+    }
+}
+
 /// The job's parked messages (queue inputs, `park --key`): Limits retention,
 /// `flotilla.<J>._parked.>`.
 pub fn parked_stream(subjects: &Subjects) -> StreamSpec {

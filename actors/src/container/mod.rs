@@ -209,7 +209,9 @@ pub struct ContainerConfig {
     pub backlog_threshold: u64,
     /// Consecutive high checks before `degraded` is emitted.
     pub backlog_strikes: u32,
-    /// How often queue inputs are swept for stranded messages.
+    /// How often queue inputs are swept for stranded messages: the captured
+    /// `MAX_DELIVERIES` advisories are handled each time, busy or not, and an idle
+    /// queue is walked for any the capture missed.
     pub sweep_interval: Duration,
     /// How long a graceful stop may take before the container exits anyway (failed,
     /// naming the partitions still running). A job bounds it further by its tasks'
@@ -225,7 +227,7 @@ impl Default for ContainerConfig {
             backlog_interval: Duration::from_secs(5),
             backlog_threshold: 10_000,
             backlog_strikes: 3,
-            sweep_interval: Duration::from_secs(60),
+            sweep_interval: Duration::from_secs(10),
             stop_timeout: Duration::from_secs(60),
         }
     }

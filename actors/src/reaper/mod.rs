@@ -118,59 +118,114 @@ impl Handler<Sweep> for Reaper {
         let broker = self.broker.clone();
         let subjects = self.subjects.clone();
         Box::pin(async move {
+            // The advisories the server sent for messages it gave up on: moved however
+            // busy the queue is.
+            let mut moved = move_advised(&broker, &subjects, &msg).await?;
             let consumer = broker.consumer_state(&msg.js_stream, &msg.consumer).await?;
             let stream = broker.stream_state(&msg.js_stream).await?;
             // Nothing undelivered and nothing held by anyone, yet messages remain: those
-            // at or below the last delivered sequence are stranded at max deliveries.
+            // at or below the last delivered sequence are stranded at max deliveries
+            // (the backstop for an advisory that was never captured).
             if consumer.num_pending > 0 || consumer.num_ack_pending > 0 || stream.messages == 0 {
-                return Ok(0);
+                return Ok(moved);
             }
-            let mut moved = 0;
             for seq in stream.first_seq..=stream.last_seq.min(consumer.delivered) {
-                let Some(stored) = broker.get_message(&msg.js_stream, seq).await? else { continue };
-                let delivery = flotilla_transport::broker::Delivery {
-                    subject: stored.subject.into(),
-                    headers: stored.headers,
-                    payload: stored.payload,
-                    info: flotilla_transport::broker::DeliveryInfo {
-                        stream: msg.js_stream.as_str().into(),
-                        consumer: msg.consumer.as_str().into(),
-                        stream_seq: seq,
-                        consumer_seq: 0,
-                        delivered: u64::from(consumer.spec.max_deliver.unwrap_or(0)),
-                        pending: 0,
-                        published: stored.published,
-                    },
-                    token: flotilla_transport::broker::AckToken::none(),
-                };
-                let letter = DeadLetter {
-                    delivery,
-                    stream: msg.stream.clone(),
-                    partition: None,
-                    reason: "max-deliveries",
-                    detail: "stranded in the stream after the consumer's max deliveries".into(),
-                    attempts: None,
-                    trace: None,
-                };
-                broker.publish(dead_letter_message(&subjects, &letter)?).await?;
-                broker.delete_message(&msg.js_stream, seq).await?;
-                emit(
-                    &broker,
-                    &subjects,
-                    Event::DeadLettered {
-                        stream: msg.stream.clone(),
-                        partition: None,
-                        seq,
-                        reason: "max-deliveries".into(),
-                        detail: letter.detail,
-                    },
-                );
-                moved += 1;
+                let delivered = u64::from(consumer.spec.max_deliver.unwrap_or(0));
+                if move_stranded(&broker, &subjects, &msg, seq, delivered).await? {
+                    moved += 1;
+                }
             }
             debug!(stream = %msg.js_stream, moved, "sweep done");
             Ok(moved)
         })
     }
+}
+
+/// Moves the messages named by the captured `MAX_DELIVERIES` advisories of `msg`'s
+/// queue input to the dead-letter stream, acknowledging each advisory once handled.
+async fn move_advised(broker: &SharedBroker, subjects: &Subjects, msg: &Sweep) -> Result<usize, BrokerError> {
+    let capture = flotilla_transport::topology::stranded_stream_name(&msg.js_stream);
+    let consumer = flotilla_transport::topology::stranded_consumer().name;
+    let mut moved = 0;
+    loop {
+        let advisories = match broker.claim(&capture, &consumer, 100, std::time::Duration::from_millis(50)).await {
+            Ok(got) => got,
+            // A job provisioned before advisories were captured: the idle sweep only.
+            Err(BrokerError::StreamNotFound { .. } | BrokerError::ConsumerNotFound { .. }) => return Ok(moved),
+            Err(e) => return Err(e),
+        };
+        if advisories.is_empty() {
+            return Ok(moved);
+        }
+        for advisory in advisories {
+            #[derive(serde::Deserialize)]
+            struct MaxDeliveries {
+                stream_seq: u64,
+                #[serde(default)]
+                deliveries: u64,
+            }
+            match serde_json::from_slice::<MaxDeliveries>(&advisory.payload) {
+                Ok(a) => {
+                    if move_stranded(broker, subjects, msg, a.stream_seq, a.deliveries).await? {
+                        moved += 1;
+                    }
+                }
+                Err(e) => debug!(error = %e, "a max-deliveries advisory that does not parse: dropped"),
+            }
+            broker.ack(&advisory.token, flotilla_transport::broker::AckKind::Ack).await?;
+        }
+    }
+}
+
+/// Moves the message at `seq` of `msg`'s queue input, stranded at the consumer's max
+/// deliveries, to the dead-letter stream (its id makes a repeat a duplicate) and deletes
+/// it from the queue. `false` when it is gone already.
+async fn move_stranded(
+    broker: &SharedBroker,
+    subjects: &Subjects,
+    msg: &Sweep,
+    seq: u64,
+    delivered: u64,
+) -> Result<bool, BrokerError> {
+    let Some(stored) = broker.get_message(&msg.js_stream, seq).await? else { return Ok(false) };
+    let delivery = flotilla_transport::broker::Delivery {
+        subject: stored.subject.into(),
+        headers: stored.headers,
+        payload: stored.payload,
+        info: flotilla_transport::broker::DeliveryInfo {
+            stream: msg.js_stream.as_str().into(),
+            consumer: msg.consumer.as_str().into(),
+            stream_seq: seq,
+            consumer_seq: 0,
+            delivered,
+            pending: 0,
+            published: stored.published,
+        },
+        token: flotilla_transport::broker::AckToken::none(),
+    };
+    let letter = DeadLetter {
+        delivery,
+        stream: msg.stream.clone(),
+        partition: None,
+        reason: "max-deliveries",
+        detail: "stranded in the stream after the consumer's max deliveries".into(),
+        attempts: None,
+        trace: None,
+    };
+    broker.publish(dead_letter_message(subjects, &letter)?).await?;
+    broker.delete_message(&msg.js_stream, seq).await?;
+    emit(
+        broker,
+        subjects,
+        Event::DeadLettered {
+            stream: msg.stream.clone(),
+            partition: None,
+            seq,
+            reason: "max-deliveries".into(),
+            detail: letter.detail,
+        },
+    );
+    Ok(true)
 }
 
 impl Handler<AcquireLease> for Reaper {
