@@ -59,6 +59,7 @@ conformance!(
     pipelined_batches_keep_order_and_report_the_first_refusal,
     headers_nats_cannot_carry_are_refused,
     publish_expectation_is_checked,
+    publish_expectation_headers_are_checked,
     publish_without_stream_is_refused,
     oversize_publish_is_refused,
     get_and_delete_by_sequence,
@@ -477,6 +478,27 @@ mod cases {
         assert_eq!(b.publish(m.clone()).await.expect("first").seq, 1);
         let err = b.publish(m).await.expect_err("second with expectation 0");
         assert!(matches!(err, BrokerError::WrongLastSequence { expected: 0, .. }), "{err}");
+    }
+
+    /// A producer's `Nats-Expected-*` headers are publish expectations, checked as
+    /// JetStream checks them: the stream's name, the subject's and the stream's last
+    /// sequence.
+    pub async fn publish_expectation_headers_are_checked(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let expecting = |name: &'static str, value: &str| OutboundMessage::new("q.x", "m").with_header(name, value);
+        let err = b.publish(expecting("Nats-Expected-Stream", "OTHER")).await.expect_err("another stream");
+        assert!(err.to_string().contains("expected stream does not match"), "{err}");
+        let err =
+            b.publish(expecting("Nats-Expected-Last-Subject-Sequence", "3")).await.expect_err("wrong subject seq");
+        assert!(matches!(err, BrokerError::WrongLastSequence { .. }), "{err}");
+        let err = b.publish(expecting("Nats-Expected-Last-Sequence", "3")).await.expect_err("wrong stream seq");
+        assert!(matches!(err, BrokerError::WrongLastSequence { .. }), "{err}");
+        assert_eq!(b.stream_state("Q").await.expect("state").messages, 0, "nothing was stored");
+        let ok = expecting("Nats-Expected-Stream", "Q").with_header("Nats-Expected-Last-Subject-Sequence", "0");
+        assert_eq!(b.publish(ok).await.expect("the expectations hold").seq, 1);
+        publish(&b, "q.y", "other subject").await;
+        let ok = expecting("Nats-Expected-Last-Subject-Sequence", "1").with_header("Nats-Expected-Last-Sequence", "2");
+        assert_eq!(b.publish(ok).await.expect("the expectations hold").seq, 3);
     }
 
     pub async fn publish_without_stream_is_refused(b: SharedBroker) {

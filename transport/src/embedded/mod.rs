@@ -17,6 +17,7 @@
 //! What it leaves out: persistence across process restarts, replicas, push consumers,
 //! and the features of servers newer than 2.10.
 
+mod expect;
 mod state;
 
 use crate::broker::{
