@@ -918,7 +918,7 @@ impl<T: Task> TaskWorker<T> {
         let d = &e.delivery;
         let Ok(stream) = flotilla_transport::wire::StreamName::new(self.binding.stream) else { return };
         let mut out = OutboundMessage::new(self.env.subjects.parked(&stream), d.payload.clone());
-        out.headers = d.headers.clone();
+        out.headers = d.headers.without_broker_controls();
         if out.headers.get(headers::ORIGIN_ID).is_none()
             && let Some(id) = d.headers.msg_id()
         {
