@@ -497,7 +497,10 @@ impl Job {
             broker.ensure_stream(topology::parked_stream(&subjects).with_replicas(r)).await?;
         }
         if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
-            broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;
+            // The changelog: a restore needs every record of it, so a limit that would
+            // expire or drop some (an operator's max age) is refused, not kept.
+            let state = topology::bucket(&subjects, crate::store::STATE, None).keeping_all();
+            broker.ensure_kv(state.with_replicas(r)).await?;
         }
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;

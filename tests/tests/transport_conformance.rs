@@ -41,6 +41,7 @@ macro_rules! conformance {
 
 conformance!(
     safe_differences_are_kept,
+    a_bucket_that_keeps_all_refuses_limits_that_lose_records,
     a_partition_whose_consumer_is_gone_is_taken_over_from_the_start,
     publish_claim_ack,
     claim_never_exceeds_max,
@@ -729,6 +730,25 @@ mod cases {
         b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(6)))).await.expect("leases");
         let err = b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(9)))).await.expect_err("TTL differs");
         assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "max_age"), "{err}");
+    }
+
+    /// A bucket every record of which is needed (the STATE changelog) refuses the limits
+    /// other buckets keep: a max age, a message count or a byte size.
+    pub async fn a_bucket_that_keeps_all_refuses_limits_that_lose_records(b: SharedBroker) {
+        b.ensure_kv(KvSpec::new("STATE", Some(Duration::from_secs(3600)))).await.expect("bucket with a max age");
+        let err = b.ensure_kv(KvSpec::new("STATE", None).keeping_all()).await.expect_err("expiring records");
+        assert!(matches!(&err, BrokerError::LosesRecords { field, .. } if *field == "max_age"), "{err}");
+        assert!(err.to_string().contains("KV bucket STATE has max_age"), "{err}");
+        let mut sized = StreamSpec::new("KV_LOG", vec!["$KV.LOG.>".into()], Retention::Limits);
+        sized.max_msgs_per_subject = Some(1);
+        sized.discard = flotilla_transport::broker::Discard::New;
+        sized.max_bytes = Some(1 << 20);
+        b.ensure_stream(sized).await.expect("a bucket's stream with a size limit");
+        let err = b.ensure_kv(KvSpec::new("LOG", None).keeping_all()).await.expect_err("a size limit");
+        assert!(matches!(&err, BrokerError::LosesRecords { field, .. } if *field == "max_bytes"), "{err}");
+        b.ensure_kv(KvSpec::new("LOG", None)).await.expect("elsewhere the same limit is safe to keep");
+        b.ensure_kv(KvSpec::new("KEPT", None).keeping_all()).await.expect("a new bucket");
+        b.ensure_kv(KvSpec::new("KEPT", None).keeping_all()).await.expect("again");
     }
 
     /// A partition whose consumer is gone (a reset interrupted between delete and

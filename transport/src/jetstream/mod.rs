@@ -302,6 +302,7 @@ fn from_stream_config(c: &stream::Config) -> StreamSpec {
         },
         duplicate_window: c.duplicate_window,
         replicas: c.num_replicas.max(1),
+        keep_all: false,
     }
 }
 
@@ -1202,6 +1203,9 @@ impl Broker for JetStreamBroker {
                     existing,
                     wanted,
                 },
+                BrokerError::LosesRecords { field, existing, fix, .. } => {
+                    BrokerError::LosesRecords { object: format!("KV bucket {}", spec.bucket), field, existing, fix }
+                }
                 other => other,
             })?;
             inner.kv_store(&spec.bucket).await.map(|_| ())
