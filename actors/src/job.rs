@@ -487,6 +487,8 @@ impl Job {
         let timers_name = timers.name.clone();
         broker.ensure_stream(timers).await?;
         broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
+        let armings = topology::bucket(&subjects, crate::task_worker::ARMINGS, Some(crate::task_worker::ARMINGS_TTL));
+        broker.ensure_kv(armings.with_replicas(r)).await?;
         if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
             broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None).with_replicas(r)).await?;
         }

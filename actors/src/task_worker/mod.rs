@@ -40,7 +40,9 @@ mod changelog;
 mod core;
 mod messages;
 mod released;
+pub(crate) mod timers;
 pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
+pub use timers::{ARMINGS, ARMINGS_TTL};
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
@@ -1216,7 +1218,7 @@ impl<T: Task> TaskWorker<T> {
         let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
             let result = match input {
                 Call::Process(input) => Supervised::new(task.process(input, &mut tctx)).await,
-                Call::Timer(name) => Supervised::new(task.timer(name, &mut tctx)).await,
+                Call::Timer(name) => Supervised::new(timers::fire(&mut *task, name, &mut tctx)).await,
             };
             (task, tctx, result)
         });

@@ -379,7 +379,7 @@ fn publish_payload_check(msg: &OutboundMessage, limit: usize) -> BrokerResult<()
 
 /// async-nats's form of Flotilla's own header names, in the order of `headers::KNOWN`,
 /// built at compile time: an output's names are neither looked up nor checked again.
-static NATS_NAMES: [async_nats::HeaderName; 24] = {
+static NATS_NAMES: [async_nats::HeaderName; 25] = {
     use crate::wire::headers::*;
     use async_nats::HeaderName;
     [
@@ -407,6 +407,7 @@ static NATS_NAMES: [async_nats::HeaderName; 24] = {
         HeaderName::from_static(STEP),
         HeaderName::from_static(PARKED_SEQ),
         HeaderName::from_static(ORIGIN_ID),
+        HeaderName::from_static(ARMING),
     ]
 };
 

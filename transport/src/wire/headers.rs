@@ -35,6 +35,10 @@ pub const TIMER: &str = "Flotilla-Timer";
 /// A durable timer's misfire policy (timer stream only): `fire` (fire late once, the
 /// default when absent) or `skip:<ms>` (dropped when it would fire more than that late).
 pub const MISFIRE: &str = "Flotilla-Misfire";
+/// The arming a durable timer message belongs to: the id `schedule_durable` gave it, on
+/// the timer message and (copied when it is promoted) on its fire. A fire whose timer
+/// the task armed again or cancelled since is stale: the worker drops it.
+pub const ARMING: &str = "Flotilla-Arming";
 /// The `Flotilla-Kind` of a cancelled durable timer's tombstone in the timer stream
 /// (it replaces the timer; the timer service drops it).
 pub const TIMER_CANCELLED: &str = "timer-cancelled";
@@ -67,7 +71,7 @@ pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 24] = [
+pub(crate) const KNOWN: [&str; 25] = [
     MSG_ID,
     KEY,
     KIND,
@@ -92,6 +96,7 @@ pub(crate) const KNOWN: [&str; 24] = [
     STEP,
     PARKED_SEQ,
     ORIGIN_ID,
+    ARMING,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a
