@@ -226,8 +226,10 @@ mod tests {
 
     #[test]
     fn keys_name_the_input_its_partition_and_the_timer() {
+        // As docs/wire-format.md §3.4 gives them (Python: `uuid.uuid5(ns, "timer/in/3/a/0")`).
         let k = timer_key("in", Some(3), "a");
-        assert_eq!(k, timer_key("in", Some(3), "a"));
+        assert_eq!(k, "039ed170-6813-5bb2-a98a-7929925f2d98");
+        assert_eq!(timer_key("jobs", None, "a"), "baea42a9-7f17-5fe7-8def-054124eaf2de");
         assert_ne!(k, timer_key("in", Some(2), "a"));
         assert_ne!(k, timer_key("in", None, "a"));
         assert_ne!(k, timer_key("in", Some(3), "b"));
