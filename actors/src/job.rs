@@ -488,6 +488,8 @@ impl Job {
         let timers_name = timers.name.clone();
         broker.ensure_stream(timers).await?;
         broker.ensure_consumer(&timers_name, topology::timer_consumer()).await?;
+        let armings = topology::bucket(&subjects, crate::task_worker::ARMINGS, Some(crate::task_worker::ARMINGS_TTL));
+        broker.ensure_kv(armings.with_replicas(r)).await?;
         if self.tasks.iter().any(|t| matches!(t.kind, StreamKind::Ordered { .. })) {
             broker.ensure_kv(topology::bucket(&subjects, crate::task_worker::SUSPECTS, None).with_replicas(r)).await?;
         }
@@ -506,7 +508,10 @@ impl Job {
             }
         }
         if self.tasks.iter().any(|t| !t.stores.borrow().is_empty()) {
-            broker.ensure_kv(topology::bucket(&subjects, crate::store::STATE, None).with_replicas(r)).await?;
+            // The changelog: a restore needs every record of it, so a limit that would
+            // expire or drop some (an operator's max age) is refused, not kept.
+            let state = topology::bucket(&subjects, crate::store::STATE, None).keeping_all();
+            broker.ensure_kv(state.with_replicas(r)).await?;
         }
         for (name, kind) in &self.outputs {
             let name = StreamName::new(*name)?;

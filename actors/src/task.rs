@@ -59,6 +59,9 @@ use std::future::Future;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
+mod durable;
+pub use durable::Misfire;
+
 /// Why a task callback did not succeed.
 ///
 /// Any error converts with `?` into [`TaskError::Failed`]. `TaskError` deliberately does
@@ -216,6 +219,8 @@ pub struct TaskEnv {
     /// Keys of queue inputs parked by `park --key` (kept current by the node's
     /// membership).
     pub parked: ParkedKeys,
+    /// The last change this node's workers made to each of their durable timers.
+    pub(crate) armings: crate::task_worker::timers::Armings,
 }
 
 /// The keys parked on each queue input (`park --stream S --key K`): their messages are
@@ -265,6 +270,7 @@ impl TaskEnv {
             provisioned: RefCell::default(),
             suspect_lane: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
             parked: ParkedKeys::default(),
+            armings: Default::default(),
         }
     }
 
@@ -367,6 +373,9 @@ struct OutputsShared {
     /// `Flotilla-Epoch` as text, written once per callback (on its first output) and
     /// shared by its outputs.
     epoch_text: std::cell::OnceCell<std::sync::Arc<str>>,
+    /// Changes to durable timers of an ordered partition, by timer key: noted for the
+    /// worker once the callback succeeded.
+    timer_changes: RefCell<Vec<(String, crate::task_worker::timers::Change)>>,
 }
 
 impl std::fmt::Debug for Outputs {
@@ -477,111 +486,18 @@ impl Outputs {
         self.shared.get().is_none_or(|s| s.buffer.borrow().is_empty())
     }
 
-    /// The outputs of this callback, in send order.
+    /// The outputs of this callback, in send order (it succeeded: its changes to
+    /// durable timers are noted).
     pub(crate) fn take_buffer(&self) -> Vec<OutboundMessage> {
-        self.shared.get().map(|s| std::mem::take(&mut *s.buffer.borrow_mut())).unwrap_or_default()
+        let Some(s) = self.shared.get() else { return Vec::new() };
+        for (key, change) in s.timer_changes.take() {
+            self.env.armings.note(key, self.epoch, change);
+        }
+        std::mem::take(&mut *s.buffer.borrow_mut())
     }
 
     fn shared(&self) -> &Rc<OutputsShared> {
         self.shared.get_or_init(Rc::default)
-    }
-}
-
-/// What a durable timer does when it comes due late (its job was down, or busy).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Misfire {
-    /// Fire once, however late (the default).
-    #[default]
-    FireLate,
-    /// Skip it when it comes due more than this late. Lateness is judged when the
-    /// node's timer service takes it from the timer stream (normally within a second of
-    /// its time; up to 5 s after a server restart), not when the partition runs it; so
-    /// give more than a few seconds.
-    SkipIfLateBy(Duration),
-}
-
-impl Outputs {
-    /// Arms (or re-arms: a timer of the same name is replaced) the durable timer
-    /// `name` of the task's `input` partition (`partition`; `None` for a queue input).
-    fn arm_timer(
-        &self,
-        input: &str,
-        partition: Option<u32>,
-        name: &str,
-        after: Duration,
-        misfire: Misfire,
-    ) -> Result<(), TaskError> {
-        check_delay(after, &format!("durable timer {name:?}"))?;
-        let (subject, target) = self.timer_subjects(input, partition, name)?;
-        let id = self.next_id();
-        let mut timer = OutboundMessage::new(subject, bytes::Bytes::new());
-        timer.headers.insert(headers::MSG_ID, format!("timer-{id}"));
-        timer.headers.insert(headers::KIND, headers::MessageKind::Timer.as_str());
-        timer.headers.insert(headers::TIMER, name.to_owned());
-        timer.headers.insert(headers::DELAY, after.as_millis().to_string());
-        timer.headers.insert(headers::TARGET, target);
-        timer.headers.insert(headers::SENT, unix_millis(SystemTime::now()).to_string());
-        if let MisfireHeader(Some(policy)) = MisfireHeader::of(misfire) {
-            timer.headers.insert(headers::MISFIRE, policy);
-        }
-        if let Some(tp) = &self.traceparent {
-            timer.headers.insert(headers::TRACEPARENT, tp.to_string());
-        }
-        self.shared().buffer.borrow_mut().push(timer);
-        Ok(())
-    }
-
-    /// Cancels the durable timer `name`: a tombstone replaces it in the timer stream.
-    fn cancel_timer(&self, input: &str, partition: Option<u32>, name: &str) -> Result<(), TaskError> {
-        let (subject, _) = self.timer_subjects(input, partition, name)?;
-        let id = self.next_id();
-        let mut tombstone = OutboundMessage::new(subject, bytes::Bytes::new());
-        tombstone.headers.insert(headers::MSG_ID, format!("cancel-{id}"));
-        tombstone.headers.insert(headers::KIND, headers::TIMER_CANCELLED);
-        tombstone.headers.insert(headers::TIMER, name.to_owned());
-        self.shared().buffer.borrow_mut().push(tombstone);
-        Ok(())
-    }
-
-    /// The timer stream subject of durable timer `name` (the same for every arming,
-    /// so a new one replaces the last) and the input subject it fires into.
-    fn timer_subjects(&self, input: &str, partition: Option<u32>, name: &str) -> Result<(String, String), TaskError> {
-        if let Some(problem) = headers::entry_problem(headers::TIMER, name) {
-            return Err(TaskError::failed(format!(
-                "timer name {name:?} cannot be used: names travel in the {} header, and {problem}",
-                headers::TIMER
-            )));
-        }
-        let stream = StreamName::new(input).map_err(|e| TaskError::fatal(e.to_string()))?;
-        let (slot, target) = match partition {
-            Some(p) => (p.to_string(), self.env.subjects.ordered_partition(&stream, p)),
-            None => ("queue".to_owned(), self.env.subjects.queue(&stream)),
-        };
-        let key = MessageId::from_wire(format!("timer/{input}/{slot}/{name}")).derive_output_text(0);
-        Ok((self.env.subjects.timer(&format!("named-{key}")), target))
-    }
-
-    /// The id of this callback's next output: derived from its cause, else new.
-    fn next_id(&self) -> String {
-        let shared = self.shared();
-        let index = shared.next_index.get();
-        shared.next_index.set(index + 1);
-        match &self.cause {
-            Some(cause) => cause.derive_output_text(index),
-            None => MessageId::new_v7().as_str().to_owned(),
-        }
-    }
-}
-
-/// A misfire policy as its header value (`None` for the default).
-struct MisfireHeader(Option<String>);
-
-impl MisfireHeader {
-    fn of(misfire: Misfire) -> Self {
-        match misfire {
-            Misfire::FireLate => Self(None),
-            Misfire::SkipIfLateBy(late) => Self(Some(format!("skip:{}", late.as_millis()))),
-        }
     }
 }
 
@@ -780,7 +696,7 @@ impl TaskContext {
     /// As [`schedule_durable`](Self::schedule_durable).
     pub fn schedule_durable_with(&mut self, name: &str, after: Duration, misfire: Misfire) -> Result<(), TaskError> {
         let input = self.input_name()?;
-        self.outputs.arm_timer(input, self.partition, name, after, misfire)
+        self.outputs.arm_timer((input, self.partition, self.position()), name, after, misfire)
     }
 
     /// Cancels the durable timer `name` (with this callback's outputs). Cancelling a
@@ -790,11 +706,26 @@ impl TaskContext {
     /// A name that cannot travel in a header.
     pub fn cancel_timer(&mut self, name: &str) -> Result<(), TaskError> {
         let input = self.input_name()?;
-        self.outputs.cancel_timer(input, self.partition, name)
+        self.outputs.cancel_timer((input, self.partition, self.position()), name)
     }
 
     fn input_name(&self) -> Result<&'static str, TaskError> {
         self.input.ok_or_else(|| TaskError::fatal("durable timers need a task's context (this one has no input)"))
+    }
+
+    /// The stream sequence of the message being processed.
+    fn position(&self) -> Option<u64> {
+        self.meta.as_ref().map(|m| m.stream_seq)
+    }
+
+    /// The task's input stream.
+    pub(crate) fn input_stream(&self) -> Option<&'static str> {
+        self.input
+    }
+
+    /// The environment.
+    pub(crate) fn env(&self) -> &TaskEnv {
+        &self.outputs.env
     }
 
     /// Runs blocking work on the blocking pool, off the actor thread.

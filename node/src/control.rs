@@ -1041,7 +1041,7 @@ impl ControlClient {
             last_from = Some(from);
             let mut out = OutboundMessage::new(self.subjects.queue(&name), m.payload.clone());
             for (k, v) in m.headers.iter() {
-                if k != headers::PARKED_SEQ && k != headers::MSG_ID {
+                if k != headers::PARKED_SEQ && k != headers::MSG_ID && !headers::is_broker_control(k) {
                     out.headers.append(k.to_owned(), v.to_owned());
                 }
             }

@@ -160,9 +160,9 @@ impl DeadLetterEntry {
         }
         let mut out = OutboundMessage::new(self.subject.clone(), self.payload.clone());
         for (name, value) in &self.headers {
-            // Not the DLQ's headers, nor the server's (an outside producer's
-            // `Nats-Expected-*` would refuse the replay).
-            if !name.starts_with("Flotilla-Dlq-") && !name.starts_with("Nats-") {
+            // Not the DLQ's headers, nor the broker's (an outside producer's
+            // `Nats-Expected-*` would refuse the replay); the id is the replay's own.
+            if !name.starts_with("Flotilla-Dlq-") && !headers::is_broker_control(name) {
                 out.headers.append(name.clone(), value.clone());
             }
         }

@@ -431,3 +431,129 @@ async fn a_drain_after_some_partitions_ended_completes() {
     control.drain(None, Duration::from_secs(60), false).await.expect("the drain completes");
     tokio::time::timeout(Duration::from_secs(30), job.wait()).await.expect("the node leaves").expect("cleanly");
 }
+
+/// Waits until `stream` holds at least `n` messages; a LIVENESS failure naming `what`
+/// when it does not within `within`.
+async fn await_count(b: &SharedBroker, stream: &str, n: u64, within: Duration, what: &str) {
+    let start = std::time::Instant::now();
+    while start.elapsed() < within {
+        if count(b, stream).await >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("LIVENESS: {what}: {stream} has {} messages after {within:?}, expected {n}", count(b, stream).await);
+}
+
+/// A record as a producer in another language might publish it: with JetStream's
+/// publish expectations (`Nats-Expected-Stream`, `Nats-Expected-Last-Subject-Sequence`)
+/// beside Flotilla's headers.
+fn expecting(
+    subject: &str,
+    stream: &str,
+    last_subject_seq: u64,
+    id: &str,
+    key: &str,
+    order: &Order,
+) -> OutboundMessage {
+    OutboundMessage::new(subject, Codec::default().encode(order).expect("encode"))
+        .with_id(id)
+        .with_header(flotilla_transport::wire::headers::KEY, key)
+        .with_header("Nats-Expected-Stream", stream)
+        .with_header("Nats-Expected-Last-Subject-Sequence", last_subject_seq.to_string())
+}
+
+/// A producer's publish expectations belong to its own publish: the dead letter of its
+/// poison record and its promoted delayed record are published without them (JetStream
+/// refuses a copy that still expects the producer's stream and sequence, and the record
+/// was retried every second for ever, holding its partition).
+#[actix_rt::test]
+async fn a_producers_publish_expectations_do_not_wedge_its_dead_letter_or_its_delayed_record() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let job = Job::new("shop")
+        .task(IN, |_| Ship { fixed: Rc::new(Cell::new(false)) })
+        .retry(flotilla_actors::RetryPolicy {
+            max_attempts: 2,
+            initial_backoff: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .output(OUT)
+        .start(b.clone())
+        .await
+        .expect("start");
+    // Three records of one key (one partition), in order: the middle one is poison.
+    let p = flotilla_transport::wire::partition_for("k", 4);
+    let subject = format!("flotilla.shop.orders.{p}");
+    let mut last = 0;
+    for (id, note) in [(1, "ok"), (2, "bug"), (3, "ok")] {
+        let order = Order { id, note: note.into() };
+        let msg = expecting(&subject, "FLOTILLA_shop_orders", last, &format!("foreign-{id}"), "k", &order);
+        last = b.publish(msg).await.expect("the producer's expectations hold for its own publish").seq;
+    }
+    await_count(&b, "FLOTILLA_shop_DLQ", 1, Duration::from_secs(30), "the poison record reaches the DLQ").await;
+    await_count(&b, "FLOTILLA_shop_shipped", 2, Duration::from_secs(30), "the partition flows past the poison record")
+        .await;
+    let entries = DeadLetters::new(b.clone(), "shop").expect("dlq").list(None, None, 10).await.expect("list");
+    assert_eq!(entries.len(), 1, "SAFETY: one dead letter for one poison record: {entries:?}");
+    let names: Vec<&str> = entries[0].headers.iter().map(|(k, _)| k.as_str()).collect();
+    assert!(
+        !names.iter().any(|n| n.starts_with("Nats-Expected")),
+        "the dead letter carries no publish expectation: {names:?}"
+    );
+    assert_eq!(entries[0].key.as_deref(), Some("k"), "the producer's own headers travel: {names:?}");
+
+    // A delayed record scheduled by a foreign producer in the timer stream, with its
+    // expectations for the timer stream: promoted into the partition when due.
+    let order = Order { id: 4, note: "later".into() };
+    let delayed =
+        expecting("flotilla.shop._timer.foreign-4", "FLOTILLA_shop_TIMERS", 0, "timer-foreign-4", "k", &order)
+            .with_header(flotilla_transport::wire::headers::DELAY, "300")
+            .with_header(flotilla_transport::wire::headers::TARGET, subject.clone());
+    b.publish(delayed).await.expect("scheduled");
+    await_count(&b, "FLOTILLA_shop_shipped", 3, Duration::from_secs(30), "the delayed record is promoted and runs")
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let counts = shipped(&b).await;
+    assert_eq!(counts, BTreeMap::from([(1, 1), (3, 1), (4, 1)]), "SAFETY: each good record shipped once");
+    job.stop();
+    job.wait().await.expect("clean stop");
+}
+
+/// The parked copy of a queue record of a parked key is published without the
+/// producer's publish expectations (they named the queue stream; the copy goes to
+/// PARKED), and it goes back to the queue on unpark.
+#[actix_rt::test]
+async fn a_producers_publish_expectations_do_not_wedge_parking_its_record() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    let job = Job::new("shop")
+        .task(REFUNDS, |_| Refund)
+        .output(REFUNDED)
+        .start_node(b.clone(), "n1", flotilla_actors::cluster::ClusterConfig::default())
+        .await
+        .expect("node");
+    let control = flotilla_node::ControlClient::new(b.clone(), "shop").await.expect("control");
+    control.park("refunds", "k1", true).await.expect("park");
+    tokio::time::sleep(Duration::from_secs(4)).await; // the node's next scans see it
+    let order = Order { id: 1, note: "refund".into() };
+    let msg = expecting("flotilla.shop.refunds", "FLOTILLA_shop_refunds", 0, "foreign-refund-1", "k1", &order);
+    b.publish(msg).await.expect("the producer's expectations hold for its own publish");
+    let other = OutboundMessage::new(
+        "flotilla.shop.refunds",
+        Codec::default().encode(&Order { id: 2, note: "refund".into() }).expect("encode"),
+    )
+    .with_id("foreign-refund-2")
+    .with_header(flotilla_transport::wire::headers::KEY, "k2")
+    .with_header("Nats-Expected-Stream", "FLOTILLA_shop_refunds");
+    b.publish(other).await.expect("k2");
+    await_count(&b, "FLOTILLA_shop_PARKED", 1, Duration::from_secs(30), "the record of the parked key is parked").await;
+    await_count(&b, "FLOTILLA_shop_refunded", 1, Duration::from_secs(30), "the other key flows").await;
+    assert_eq!(control.park("refunds", "k1", false).await.expect("unpark"), 1, "one record sent back");
+    await_count(&b, "FLOTILLA_shop_refunded", 2, Duration::from_secs(30), "the unparked record runs").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(count(&b, "FLOTILLA_shop_refunded").await, 2, "SAFETY: each refund once");
+    assert_eq!(count(&b, "FLOTILLA_shop_PARKED").await, 0, "SAFETY: nothing left parked");
+    job.stop();
+    job.wait().await.expect("stop");
+}

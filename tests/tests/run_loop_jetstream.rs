@@ -336,3 +336,35 @@ async fn a_durable_timer_survives_its_node_and_a_nats_server_restart() {
     job.stop();
     job.wait().await.expect("stop");
 }
+
+/// An operator's max age on the job's STATE bucket would expire changelog records that
+/// a restore needs (their keys would resolve to older values: state rolled back without
+/// a word): a job with a store refuses to start on it, naming the bucket, the setting
+/// and the command that removes it, and starts once it is removed.
+#[actix_rt::test]
+async fn a_state_bucket_whose_records_expire_is_refused_naming_the_fix() {
+    let server = NatsServer::start();
+    let b = connect(&server).await;
+    const IN: StreamDef<Record> = StreamDef::ordered("in", 2);
+    const OUT: StreamDef<Record> = StreamDef::ordered("out", 2);
+    const COUNTS: flotilla_actors::StoreDef<String, u64> = flotilla_actors::StoreDef::new("counts");
+    let hour = Duration::from_secs(3600);
+    b.ensure_kv(flotilla_transport::broker::KvSpec::new("FLOTILLA_t_STATE", Some(hour))).await.expect("aged bucket");
+    let job = || Job::new("t").task(IN, |_| Forward { out: OUT }).store(COUNTS).output(OUT);
+    let err = job().start(b.clone()).await.expect_err("a STATE bucket with a max age is refused");
+    let text = err.to_string();
+    for part in ["FLOTILLA_t_STATE", "max_age", "nats stream edit KV_FLOTILLA_t_STATE --max-age=0"] {
+        assert!(text.contains(part), "the refusal names {part:?}: {text}");
+    }
+    // Nothing was changed: the operator's setting is still there.
+    let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.expect("connect"));
+    let mut stream = js.get_stream("KV_FLOTILLA_t_STATE").await.expect("bucket stream");
+    let mut config = stream.info().await.expect("info").config.clone();
+    assert_eq!(config.max_age, hour, "the refusal changed nothing");
+    // With the limit removed (what the message says to do), the job starts.
+    config.max_age = Duration::ZERO;
+    js.update_stream(config).await.expect("remove the max age");
+    let running = job().start(b.clone()).await.expect("starts on a bucket that keeps every record");
+    running.stop();
+    running.wait().await.expect("stop");
+}

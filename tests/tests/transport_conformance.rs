@@ -41,6 +41,7 @@ macro_rules! conformance {
 
 conformance!(
     safe_differences_are_kept,
+    a_bucket_that_keeps_all_refuses_limits_that_lose_records,
     a_partition_whose_consumer_is_gone_is_taken_over_from_the_start,
     publish_claim_ack,
     claim_never_exceeds_max,
@@ -59,6 +60,7 @@ conformance!(
     pipelined_batches_keep_order_and_report_the_first_refusal,
     headers_nats_cannot_carry_are_refused,
     publish_expectation_is_checked,
+    publish_expectation_headers_are_checked,
     publish_without_stream_is_refused,
     oversize_publish_is_refused,
     get_and_delete_by_sequence,
@@ -480,6 +482,27 @@ mod cases {
         assert!(matches!(err, BrokerError::WrongLastSequence { expected: 0, .. }), "{err}");
     }
 
+    /// A producer's `Nats-Expected-*` headers are publish expectations, checked as
+    /// JetStream checks them: the stream's name, the subject's and the stream's last
+    /// sequence.
+    pub async fn publish_expectation_headers_are_checked(b: SharedBroker) {
+        queue(&b, 30_000).await;
+        let expecting = |name: &'static str, value: &str| OutboundMessage::new("q.x", "m").with_header(name, value);
+        let err = b.publish(expecting("Nats-Expected-Stream", "OTHER")).await.expect_err("another stream");
+        assert!(err.to_string().contains("expected stream does not match"), "{err}");
+        let err =
+            b.publish(expecting("Nats-Expected-Last-Subject-Sequence", "3")).await.expect_err("wrong subject seq");
+        assert!(matches!(err, BrokerError::WrongLastSequence { .. }), "{err}");
+        let err = b.publish(expecting("Nats-Expected-Last-Sequence", "3")).await.expect_err("wrong stream seq");
+        assert!(matches!(err, BrokerError::WrongLastSequence { .. }), "{err}");
+        assert_eq!(b.stream_state("Q").await.expect("state").messages, 0, "nothing was stored");
+        let ok = expecting("Nats-Expected-Stream", "Q").with_header("Nats-Expected-Last-Subject-Sequence", "0");
+        assert_eq!(b.publish(ok).await.expect("the expectations hold").seq, 1);
+        publish(&b, "q.y", "other subject").await;
+        let ok = expecting("Nats-Expected-Last-Subject-Sequence", "1").with_header("Nats-Expected-Last-Sequence", "2");
+        assert_eq!(b.publish(ok).await.expect("the expectations hold").seq, 3);
+    }
+
     pub async fn publish_without_stream_is_refused(b: SharedBroker) {
         let err = b.publish(OutboundMessage::new("nobody.listens", "x")).await.expect_err("no stream");
         assert!(matches!(err, BrokerError::NoStream { .. }), "{err}");
@@ -728,6 +751,25 @@ mod cases {
         b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(6)))).await.expect("leases");
         let err = b.ensure_kv(KvSpec::new("LEASES", Some(Duration::from_secs(9)))).await.expect_err("TTL differs");
         assert!(matches!(&err, BrokerError::ConfigMismatch { field, .. } if field == "max_age"), "{err}");
+    }
+
+    /// A bucket every record of which is needed (the STATE changelog) refuses the limits
+    /// other buckets keep: a max age, a message count or a byte size.
+    pub async fn a_bucket_that_keeps_all_refuses_limits_that_lose_records(b: SharedBroker) {
+        b.ensure_kv(KvSpec::new("STATE", Some(Duration::from_secs(3600)))).await.expect("bucket with a max age");
+        let err = b.ensure_kv(KvSpec::new("STATE", None).keeping_all()).await.expect_err("expiring records");
+        assert!(matches!(&err, BrokerError::LosesRecords { field, .. } if *field == "max_age"), "{err}");
+        assert!(err.to_string().contains("KV bucket STATE has max_age"), "{err}");
+        let mut sized = StreamSpec::new("KV_LOG", vec!["$KV.LOG.>".into()], Retention::Limits);
+        sized.max_msgs_per_subject = Some(1);
+        sized.discard = flotilla_transport::broker::Discard::New;
+        sized.max_bytes = Some(1 << 20);
+        b.ensure_stream(sized).await.expect("a bucket's stream with a size limit");
+        let err = b.ensure_kv(KvSpec::new("LOG", None).keeping_all()).await.expect_err("a size limit");
+        assert!(matches!(&err, BrokerError::LosesRecords { field, .. } if *field == "max_bytes"), "{err}");
+        b.ensure_kv(KvSpec::new("LOG", None)).await.expect("elsewhere the same limit is safe to keep");
+        b.ensure_kv(KvSpec::new("KEPT", None).keeping_all()).await.expect("a new bucket");
+        b.ensure_kv(KvSpec::new("KEPT", None).keeping_all()).await.expect("again");
     }
 
     /// A partition whose consumer is gone (a reset interrupted between delete and

@@ -54,11 +54,13 @@ fn dead_letter_message(subjects: &Subjects, msg: &DeadLetter) -> Result<Outbound
     Ok(out)
 }
 
-/// The dead letter of delivery `d` on `subject`: its payload and headers, the id
-/// `dlq-<stream>-<seq>` (so moving it twice stores it once) and the reason headers.
+/// The dead letter of delivery `d` on `subject`: its payload and headers (not the
+/// broker's own, such as a producer's `Nats-Expected-*`, which JetStream would check
+/// against the DLQ and refuse), the id `dlq-<stream>-<seq>` (so moving it twice stores
+/// it once) and the reason headers.
 pub(crate) fn dead_letter_to(subject: String, d: &Delivery, reason: &str, detail: &str) -> OutboundMessage {
     let mut out = OutboundMessage::new(subject, d.payload.clone());
-    out.headers = d.headers.clone();
+    out.headers = d.headers.without_broker_controls();
     out.headers.insert(headers::MSG_ID, format!("dlq-{}-{}", d.info.stream, d.info.stream_seq));
     out.headers.insert(headers::DLQ_REASON, reason.to_owned());
     out.headers.insert(headers::DLQ_DETAIL, detail.replace(['\r', '\n'], " "));

@@ -40,7 +40,9 @@ mod changelog;
 mod core;
 mod messages;
 mod released;
+pub(crate) mod timers;
 pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
+pub use timers::{ARMINGS, ARMINGS_TTL};
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
@@ -996,7 +998,7 @@ impl<T: Task> TaskWorker<T> {
         let d = &e.delivery;
         let Ok(stream) = flotilla_transport::wire::StreamName::new(self.binding.stream) else { return };
         let mut out = OutboundMessage::new(self.env.subjects.parked(&stream), d.payload.clone());
-        out.headers = d.headers.clone();
+        out.headers = d.headers.without_broker_controls();
         if out.headers.get(headers::ORIGIN_ID).is_none()
             && let Some(id) = d.headers.msg_id()
         {
@@ -1294,7 +1296,7 @@ impl<T: Task> TaskWorker<T> {
         let mut fut: LocalBoxFuture<'static, Processed<T>> = Box::pin(async move {
             let result = match input {
                 Call::Process(input) => Supervised::new(task.process(input, &mut tctx)).await,
-                Call::Timer(name) => Supervised::new(task.timer(name, &mut tctx)).await,
+                Call::Timer(name) => Supervised::new(timers::fire(&mut *task, name, &mut tctx)).await,
             };
             (task, tctx, result)
         });

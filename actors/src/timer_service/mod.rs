@@ -357,7 +357,9 @@ async fn promote_one(broker: &SharedBroker, subjects: &Subjects, d: Delivery, no
         TimerVerdict::Due(target) => target,
     };
     let mut out = OutboundMessage::new(target.clone(), d.payload.clone());
-    out.headers = d.headers.clone();
+    // Not the broker's own headers: a producer's `Nats-Expected-*` were for the timer
+    // stream, and the target's stream would refuse them.
+    out.headers = d.headers.without_broker_controls();
     out.headers.remove(headers::DELAY);
     out.headers.remove(headers::TARGET);
     out.headers.remove(headers::MISFIRE);

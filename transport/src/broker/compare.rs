@@ -103,6 +103,9 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<T
     subjects(&object, &existing.subjects, &wanted.subjects, &mut tolerated)?;
     field(&object, "retention", &existing.retention, &wanted.retention)?;
     field(&object, "storage", &existing.storage, &wanted.storage)?;
+    if wanted.keep_all {
+        keeps_all(&object, existing)?;
+    }
     limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
     field(&object, "max_msgs_per_subject", &existing.max_msgs_per_subject, &wanted.max_msgs_per_subject)?;
     limit(&object, "max_msgs", &existing.max_msgs, &wanted.max_msgs, &mut tolerated)?;
@@ -115,6 +118,32 @@ pub(crate) fn stream(existing: &StreamSpec, wanted: &StreamSpec) -> Result<Vec<T
     }
     tolerated.extend(replicas(object, existing.replicas, wanted.replicas));
     Ok(tolerated)
+}
+
+/// `Ok` when the stream `existing` (or a KV bucket's stream) has no limit that drops or
+/// refuses messages: no max age, message count or byte size. For a stream every
+/// message of which is needed (a changelog); `object` names it in the error.
+///
+/// # Errors
+/// [`BrokerError::LosesRecords`] naming the first such limit and the `nats` command
+/// that removes it.
+pub(crate) fn keeps_all(object: &str, existing: &StreamSpec) -> Result<(), BrokerError> {
+    let refused = |field, value, flag: &str| BrokerError::LosesRecords {
+        object: object.to_owned(),
+        field,
+        existing: value,
+        fix: format!("nats stream edit {} {flag}", existing.name),
+    };
+    if let Some(age) = existing.max_age {
+        return Err(refused("max_age", format!("{age:?}"), "--max-age=0"));
+    }
+    if let Some(n) = existing.max_msgs {
+        return Err(refused("max_msgs", n.to_string(), "--max-msgs=-1"));
+    }
+    if let Some(n) = existing.max_bytes {
+        return Err(refused("max_bytes", n.to_string(), "--max-bytes=-1"));
+    }
+    Ok(())
 }
 
 /// The partition numbers of an ordered stream's subjects (`<prefix>.0` to
@@ -198,6 +227,13 @@ pub(crate) fn kv(existing: &KvSpec, wanted: &KvSpec) -> Result<Vec<Tolerated>, B
     let object = format!("KV bucket {}", wanted.bucket);
     let mut tolerated = Vec::new();
     field(&object, "history", &existing.history, &wanted.history)?;
+    if wanted.keep_all
+        && let Some(age) = existing.max_age
+    {
+        let mut stream = kv_stream(wanted);
+        stream.max_age = Some(age);
+        keeps_all(&object, &stream)?;
+    }
     limit(&object, "max_age", &existing.max_age, &wanted.max_age, &mut tolerated)?;
     field(&object, "storage", &existing.storage, &wanted.storage)?;
     tolerated.extend(replicas(object, existing.replicas, wanted.replicas));
@@ -215,6 +251,7 @@ pub(crate) fn kv_stream(spec: &KvSpec) -> StreamSpec {
     s.max_msgs_per_subject = Some(u64::from(spec.history.max(1)));
     s.discard = Discard::New;
     s.replicas = spec.replicas;
+    s.keep_all = spec.keep_all;
     // The server refuses a duplicate window longer than max_age.
     s.duplicate_window = match spec.max_age {
         Some(age) if age < Duration::from_secs(120) => age,
@@ -337,6 +374,48 @@ mod tests {
         let control = KvSpec::new("CONTROL", None);
         let aged_control = KvSpec::new("CONTROL", Some(std::time::Duration::from_secs(86_400))).with_replicas(3);
         assert_eq!(kv(&aged_control, &control).expect("tolerated").len(), 2);
+    }
+
+    #[test]
+    fn a_changelog_refuses_every_limit_that_drops_or_refuses_records() {
+        let hour = std::time::Duration::from_secs(3600);
+        let state = KvSpec::new("FLOTILLA_j_STATE", None).keeping_all();
+        // Elsewhere an operator's max age is kept; on a changelog it is refused.
+        assert_eq!(
+            kv(&KvSpec::new("FLOTILLA_j_STATE", Some(hour)), &KvSpec::new("FLOTILLA_j_STATE", None))
+                .map(|t| t.len())
+                .ok(),
+            Some(1)
+        );
+        let err = kv(&KvSpec::new("FLOTILLA_j_STATE", Some(hour)), &state).expect_err("max age on a changelog");
+        assert!(matches!(&err, BrokerError::LosesRecords { field, .. } if *field == "max_age"), "{err}");
+        let text = err.to_string();
+        for part in [
+            "KV bucket FLOTILLA_j_STATE has max_age = 3600s",
+            "silently rolls back",
+            "`nats stream edit KV_FLOTILLA_j_STATE --max-age=0`",
+        ] {
+            assert!(text.contains(part), "{part:?} in {text}");
+        }
+        assert!(kv(&KvSpec::new("FLOTILLA_j_STATE", None).with_replicas(3), &state).is_ok(), "replicas may differ");
+        // The bucket's stream: age, count and size limits are refused, replicas kept.
+        let wanted = kv_stream(&state);
+        assert!(wanted.keep_all);
+        for (field, limited) in [
+            ("max_age", StreamSpec { max_age: Some(hour), ..wanted.clone() }),
+            ("max_msgs", StreamSpec { max_msgs: Some(1000), ..wanted.clone() }),
+            ("max_bytes", StreamSpec { max_bytes: Some(1 << 20), ..wanted.clone() }),
+        ] {
+            let err = stream(&limited, &wanted).expect_err(field);
+            assert!(matches!(&err, BrokerError::LosesRecords { field: f, .. } if *f == field), "{err}");
+            assert!(err.to_string().contains("nats stream edit KV_FLOTILLA_j_STATE --max-"), "{err}");
+        }
+        assert_eq!(stream(&StreamSpec { replicas: 3, ..wanted.clone() }, &wanted).map(|t| t.len()).ok(), Some(1));
+        // History and discard policy were never safe to differ.
+        let history = StreamSpec { max_msgs_per_subject: Some(5), ..wanted.clone() };
+        assert!(matches!(stream(&history, &wanted), Err(BrokerError::ConfigMismatch { .. })));
+        let discard_old = StreamSpec { discard: super::super::Discard::Old, ..wanted.clone() };
+        assert!(matches!(stream(&discard_old, &wanted), Err(BrokerError::ConfigMismatch { .. })));
     }
 
     #[test]

@@ -65,6 +65,23 @@ pub enum BrokerError {
         /// The value wanted.
         wanted: String,
     },
+    /// An existing stream or bucket every record of which is needed (a changelog) has a
+    /// limit that drops or refuses records.
+    #[error(
+        "{object} has {field} = {existing}, which {}; every record of it is needed, so nothing was \
+         started or changed. Remove the limit: `{fix}`",
+        limit_consequence(field)
+    )]
+    LosesRecords {
+        /// `stream X` or `KV bucket X`.
+        object: String,
+        /// The limit (`max_age`, `max_msgs`, `max_bytes`).
+        field: &'static str,
+        /// Its value on the server.
+        existing: String,
+        /// The command that removes it.
+        fix: String,
+    },
     /// A publish expectation (`expected_last_subject_seq`) failed.
     #[error("publish to {subject} refused: expected last sequence {expected} but it is {actual}")]
     WrongLastSequence {
@@ -207,6 +224,16 @@ pub enum ErrorClass {
     /// The broker refused this request: a failed attempt, retried by the retry policy
     /// and dead-lettered after the last.
     Refused,
+}
+
+/// What a limit of [`BrokerError::LosesRecords`] does to the records.
+fn limit_consequence(field: &str) -> &'static str {
+    if field == "max_age" {
+        "expires records not written for that long, and a restore then takes older values of their keys \
+         instead (state silently rolls back)"
+    } else {
+        "refuses new records once reached (or drops the oldest), so writes fail or records are lost"
+    }
 }
 
 impl BrokerError {

@@ -223,6 +223,10 @@ pub struct StreamSpec {
     pub duplicate_window: Duration,
     /// Number of replicas (1 on a single server).
     pub replicas: usize,
+    /// Every message is needed (a changelog): an operator's age, count or size limit,
+    /// which would drop or refuse some, is refused instead of kept as a safe
+    /// difference ([`BrokerError::LosesRecords`](super::BrokerError::LosesRecords)).
+    pub keep_all: bool,
 }
 
 impl StreamSpec {
@@ -241,6 +245,7 @@ impl StreamSpec {
             discard: Discard::Old,
             duplicate_window: Duration::from_secs(120),
             replicas: 1,
+            keep_all: false,
         }
     }
 
@@ -248,6 +253,13 @@ impl StreamSpec {
     #[must_use]
     pub fn with_replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas;
+        self
+    }
+
+    /// The same stream, every message of which is needed (see [`StreamSpec::keep_all`]).
+    #[must_use]
+    pub fn keeping_all(mut self) -> Self {
+        self.keep_all = true;
         self
     }
 }
@@ -499,18 +511,29 @@ pub struct KvSpec {
     pub storage: Storage,
     /// Number of replicas of the bucket's stream (1 on a single server).
     pub replicas: usize,
+    /// Every record is needed (a changelog that a restore reads): an operator's max
+    /// age, or a count or size limit on the bucket's stream, is refused instead of kept
+    /// as a safe difference ([`BrokerError::LosesRecords`](super::BrokerError::LosesRecords)).
+    pub keep_all: bool,
 }
 
 impl KvSpec {
     /// A file-backed bucket with history 1 and one replica.
     pub fn new(bucket: impl Into<String>, max_age: Option<Duration>) -> Self {
-        Self { bucket: bucket.into(), history: 1, max_age, storage: Storage::File, replicas: 1 }
+        Self { bucket: bucket.into(), history: 1, max_age, storage: Storage::File, replicas: 1, keep_all: false }
     }
 
     /// The same bucket with `replicas` copies.
     #[must_use]
     pub fn with_replicas(mut self, replicas: usize) -> Self {
         self.replicas = replicas;
+        self
+    }
+
+    /// The same bucket, every record of which is needed (see [`KvSpec::keep_all`]).
+    #[must_use]
+    pub fn keeping_all(mut self) -> Self {
+        self.keep_all = true;
         self
     }
 }

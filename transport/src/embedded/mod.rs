@@ -17,6 +17,7 @@
 //! What it leaves out: persistence across process restarts, replicas, push consumers,
 //! and the features of servers newer than 2.10.
 
+mod expect;
 mod state;
 
 use crate::broker::{
@@ -455,12 +456,18 @@ impl Broker for EmbeddedBroker {
         let stream = compare::kv_stream(&spec);
         let existing = self.inner.lock().streams.get(&stream.name).map(|s| s.spec.clone());
         if let Some(existing) = existing {
+            if spec.keep_all
+                && let Err(e) = compare::keeps_all(&format!("KV bucket {}", spec.bucket), &existing)
+            {
+                return ready(Err(e));
+            }
             let found = KvSpec {
                 bucket: spec.bucket.clone(),
                 history: existing.max_msgs_per_subject.unwrap_or(1).min(64) as u8,
                 max_age: existing.max_age,
                 storage: existing.storage,
                 replicas: existing.replicas,
+                keep_all: spec.keep_all,
             };
             return ready(
                 compare::kv(&found, &spec).map(|tolerated| tolerated.iter().for_each(compare::Tolerated::log)),

@@ -264,6 +264,9 @@ impl Stream {
         {
             return Ok(PublishAck { stream: self.spec.name.clone(), seq, duplicate: true });
         }
+        super::expect::check(&msg.headers, &msg.subject, &self.spec.name, self.last_seq, || {
+            self.last_for_subject(&msg.subject).unwrap_or(0)
+        })?;
         if let Some(expected) = msg.expected_last_subject_seq {
             let actual = self.last_for_subject(&msg.subject).unwrap_or(0);
             if actual != expected {

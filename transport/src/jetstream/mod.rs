@@ -302,6 +302,7 @@ fn from_stream_config(c: &stream::Config) -> StreamSpec {
         },
         duplicate_window: c.duplicate_window,
         replicas: c.num_replicas.max(1),
+        keep_all: false,
     }
 }
 
@@ -385,7 +386,7 @@ fn publish_payload_check(msg: &OutboundMessage, limit: usize) -> BrokerResult<()
 
 /// async-nats's form of Flotilla's own header names, in the order of `headers::KNOWN`,
 /// built at compile time: an output's names are neither looked up nor checked again.
-static NATS_NAMES: [async_nats::HeaderName; 24] = {
+static NATS_NAMES: [async_nats::HeaderName; 25] = {
     use crate::wire::headers::*;
     use async_nats::HeaderName;
     [
@@ -413,6 +414,7 @@ static NATS_NAMES: [async_nats::HeaderName; 24] = {
         HeaderName::from_static(STEP),
         HeaderName::from_static(PARKED_SEQ),
         HeaderName::from_static(ORIGIN_ID),
+        HeaderName::from_static(ARMING),
     ]
 };
 
@@ -1245,6 +1247,9 @@ impl Broker for JetStreamBroker {
                     existing,
                     wanted,
                 },
+                BrokerError::LosesRecords { field, existing, fix, .. } => {
+                    BrokerError::LosesRecords { object: format!("KV bucket {}", spec.bucket), field, existing, fix }
+                }
                 other => other,
             })?;
             inner.kv_store(&spec.bucket).await.map(|_| ())

@@ -35,6 +35,10 @@ pub const TIMER: &str = "Flotilla-Timer";
 /// A durable timer's misfire policy (timer stream only): `fire` (fire late once, the
 /// default when absent) or `skip:<ms>` (dropped when it would fire more than that late).
 pub const MISFIRE: &str = "Flotilla-Misfire";
+/// The arming a durable timer message belongs to: the id `schedule_durable` gave it, on
+/// the timer message and (copied when it is promoted) on its fire. A fire whose timer
+/// the task armed again or cancelled since is stale: the worker drops it.
+pub const ARMING: &str = "Flotilla-Arming";
 /// The `Flotilla-Kind` of a cancelled durable timer's tombstone in the timer stream
 /// (it replaces the timer; the timer service drops it).
 pub const TIMER_CANCELLED: &str = "timer-cancelled";
@@ -67,7 +71,7 @@ pub const DLQ_DELIVERIES: &str = "Flotilla-Dlq-Deliveries";
 pub const DLQ_ATTEMPTS: &str = "Flotilla-Dlq-Attempts";
 
 /// Every header name above.
-pub(crate) const KNOWN: [&str; 24] = [
+pub(crate) const KNOWN: [&str; 25] = [
     MSG_ID,
     KEY,
     KIND,
@@ -92,6 +96,7 @@ pub(crate) const KNOWN: [&str; 24] = [
     STEP,
     PARKED_SEQ,
     ORIGIN_ID,
+    ARMING,
 ];
 
 /// `name` as one of the constants of this module when it is one (same spelling), so a
@@ -127,6 +132,21 @@ pub fn name_problem(name: &str) -> Option<&'static str> {
 /// What is wrong with a header value NATS could not carry (see [`entry_problem`]).
 pub fn value_problem(value: &str) -> Option<&'static str> {
     value.bytes().any(|b| b == b'\r' || b == b'\n').then_some("the value has a line break")
+}
+
+/// Whether `name` is one of the broker's own headers, which JetStream acts on when a
+/// message is published (`Nats-Expected-Stream`, `Nats-Expected-Last-Sequence`,
+/// `Nats-Expected-Last-Subject-Sequence`, `Nats-Expected-Last-Msg-Id`, `Nats-Rollup`,
+/// `Nats-TTL`, `Nats-Schedule*`, `Nats-Batch-*`, `Nats-Incr`, …) or adds when it stores
+/// or serves one (`Nats-Stream`, `Nats-Sequence`, `Nats-Marker-Reason`, …): every
+/// `Nats-` header, in any case, but [`MSG_ID`].
+///
+/// A copy of a message published elsewhere (a dead letter, a parked copy, a promoted
+/// delayed message, a replay) must leave them behind: they were meant for the original
+/// publish, and JetStream refuses a copy that still expects the original's stream and
+/// sequence, so the copy would be retried for ever.
+pub fn is_broker_control(name: &str) -> bool {
+    name.get(..5).is_some_and(|prefix| prefix.eq_ignore_ascii_case("Nats-")) && !name.eq_ignore_ascii_case(MSG_ID)
 }
 
 /// What a message is, from its [`KIND`] header.
@@ -338,6 +358,17 @@ impl Headers {
         self.get(MSG_ID)
     }
 
+    /// A copy for a message published elsewhere: every entry but the broker's own
+    /// ([`is_broker_control`]). `Nats-Msg-Id` stays; a copy that needs an id of its own
+    /// replaces it.
+    pub fn without_broker_controls(&self) -> Headers {
+        if !self.entries.iter().any(|(n, _)| is_broker_control(n)) {
+            // Nothing to leave behind (nearly always): share the entries.
+            return self.clone();
+        }
+        Self { entries: Arc::new(self.entries.iter().filter(|(n, _)| !is_broker_control(n)).cloned().collect()) }
+    }
+
     /// The first entry NATS cannot carry, with what is wrong with it (see
     /// [`entry_problem`]).
     pub fn invalid_entry(&self) -> Option<(&str, &'static str)> {
@@ -427,6 +458,36 @@ mod tests {
         assert!(Headers::new().with("Bad Name", "v").invalid_entry().is_some());
         assert!(Headers::new().with("", "v").invalid_entry().is_some());
         assert!(Headers::new().with("Näme", "v").invalid_entry().is_some());
+    }
+
+    #[test]
+    fn copies_leave_the_brokers_own_headers_behind() {
+        let mut h = Headers::new().with(MSG_ID, "id-1").with(KEY, "k").with("X-App", "1");
+        h.append("Nats-Expected-Stream", "FLOTILLA_shop_orders")
+            .append("Nats-Expected-Last-Subject-Sequence", "7")
+            .append("nats-expected-last-sequence", "9")
+            .append("NATS-EXPECTED-LAST-MSG-ID", "id-0")
+            .append("Nats-Rollup", "sub")
+            .append("Nats-TTL", "1s")
+            .append("Nats-Schedule", "@at 2030-01-01T00:00:00Z")
+            .append("Nats-Schedule-Target", "a.b")
+            .append("Nats-Marker-Reason", "MaxAge")
+            .append("Nats-Stream", "S")
+            .append("Nats-Sequence", "3")
+            .append("Nats-Batch-Id", "b1")
+            .append("Nats-Incr", "1")
+            .append("Natsy", "not the broker's")
+            .append("Nats", "nor this");
+        let copy = h.without_broker_controls();
+        assert_eq!(
+            copy.iter().collect::<Vec<_>>(),
+            vec![(MSG_ID, "id-1"), (KEY, "k"), ("X-App", "1"), ("Natsy", "not the broker's"), ("Nats", "nor this")]
+        );
+        assert_eq!(h.len(), 18, "the original keeps them");
+        assert!(is_broker_control("nats-ttl") && !is_broker_control("nats-msg-id") && !is_broker_control("Nat"));
+        assert!(!is_broker_control("Ñats-x"), "a name that is not ASCII does not panic");
+        let plain = Headers::new().with(MSG_ID, "id").with(KEY, "k");
+        assert!(Arc::ptr_eq(&plain.entries, &plain.without_broker_controls().entries), "nothing to drop: shared");
     }
 
     #[test]
