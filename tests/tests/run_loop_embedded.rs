@@ -655,6 +655,18 @@ async fn an_unavailable_broker_is_reported_backed_off_from_and_resumed() {
     job.wait().await.expect("stop");
 }
 
+/// Provisions `job` (2 attempts: max deliveries = attempts + 1 + the allowance for
+/// hand-backs = 23) and plays nodes that each die holding record 42 of `jobs`: it is
+/// stranded in the work queue.
+async fn strand_record_42(b: &SharedBroker, job: Job) {
+    job.provision(b.clone()).await.expect("provision");
+    publish(b, "jobs", false, 42, "ok").await;
+    for _ in 0..2 + 1 + flotilla_actors::task_worker::RELEASE_ALLOWANCE {
+        let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
+        assert_eq!(got.len(), 1);
+    }
+}
+
 #[actix_rt::test]
 async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
     tokio::time::pause();
@@ -668,15 +680,7 @@ async fn the_reaper_sweeps_messages_stranded_at_max_deliveries() {
             .ack_wait(Duration::from_secs(1))
             .container_config(config.clone())
     };
-    // Provision as the job would (max deliveries = attempts + 1 + the allowance for
-    // hand-backs = 23), then play nodes that each die holding the message: it is
-    // stranded in the work queue.
-    job().provision(b.clone()).await.expect("provision");
-    publish(&b, "jobs", false, 42, "ok").await;
-    for _ in 0..2 + 1 + flotilla_actors::task_worker::RELEASE_ALLOWANCE {
-        let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
-        assert_eq!(got.len(), 1);
-    }
+    strand_record_42(&b, job()).await;
     assert!(
         b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(3)).await.expect("claim").is_empty(),
         "stranded"
@@ -710,12 +714,7 @@ async fn a_message_stranded_while_the_queue_stays_busy_is_dead_lettered_from_its
             .ack_wait(Duration::from_secs(1))
             .container_config(config.clone())
     };
-    job().provision(b.clone()).await.expect("provision");
-    publish(&b, "jobs", false, 42, "ok").await;
-    for _ in 0..2 + 1 + flotilla_actors::task_worker::RELEASE_ALLOWANCE {
-        let got = b.claim("FLOTILLA_t_jobs", "jobs-workers", 1, Duration::from_secs(5)).await.expect("claim");
-        assert_eq!(got.len(), 1);
-    }
+    strand_record_42(&b, job()).await;
     // Busy for a minute and a half: two at a time, one second each.
     for id in 0..180 {
         publish(&b, "jobs", false, 1000 + id, "sleep:1000").await;

@@ -300,17 +300,22 @@ impl<K: StoreKey, V: StoreValue> TypedStore<K, V> {
         Ok(())
     }
 
+    /// Gives each key of `journal` its value before (absent: removed).
+    fn put_back(&mut self, journal: BTreeMap<K, Option<V>>) {
+        for (key, before) in journal {
+            match before {
+                Some(v) => self.live.insert(key, v),
+                None => self.live.remove(&key),
+            };
+        }
+    }
+
     /// Ends the running callback: keeps its changes (`held`: with a journal under that
     /// token) or undoes them.
     fn end(&mut self, keep: bool, held: Option<u64>) {
         let undo = std::mem::take(&mut self.undo);
         if !keep {
-            for (key, before) in undo {
-                match before {
-                    Some(v) => self.live.insert(key, v),
-                    None => self.live.remove(&key),
-                };
-            }
+            self.put_back(undo);
             return;
         }
         // A kept change to a key of an unfinished message ties them: undoing that
@@ -359,15 +364,10 @@ impl<K: StoreKey, V: StoreValue> ErasedStore for TypedStore<K, V> {
 
     fn undo(&mut self, token: u64) {
         let Some(at) = self.held.iter().position(|h| h.token == token) else { return };
+        // The keys' entries in `changed` stay: they hold the committed values, and a
+        // key changed back to its committed value is not written.
         let held = self.held.remove(at);
-        for (key, before) in held.before {
-            // The key's entry in `changed` stays: it holds the committed value, and a
-            // key changed back to it is not written.
-            match before {
-                Some(v) => self.live.insert(key, v),
-                None => self.live.remove(&key),
-            };
-        }
+        self.put_back(held.before);
     }
 
     fn release(&mut self, token: u64) {
