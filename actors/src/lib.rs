@@ -3,7 +3,8 @@
 //! and [`Reaper`](reaper::Reaper) (DESIGN §6), the [`Task`] API users implement and the
 //! [`Job`] builder that starts them.
 //!
-//! It depends only on `flotilla-transport` and talks to a broker through
+//! The rules it follows are `flotilla-proto`'s (plain data, time passed in); it
+//! performs what they decide. It talks to a broker only through `flotilla-transport`'s
 //! [`SharedBroker`], never to NATS directly. A container and its task workers share
 //! one arbiter, so a message never crosses a thread between the broker and the task.
 #![forbid(unsafe_code)]
@@ -20,8 +21,14 @@ pub mod membership;
 pub mod metrics;
 pub mod producer;
 pub mod reaper;
-pub mod retry;
-pub mod state;
+/// The retry policy ([`flotilla_proto::backoff`]).
+pub mod retry {
+    pub use flotilla_proto::backoff::*;
+}
+/// The run loop's state machine ([`flotilla_proto::partition`]).
+pub mod state {
+    pub use flotilla_proto::partition::readiness::*;
+}
 pub mod store;
 pub mod stream;
 pub mod supervise;

@@ -7,7 +7,7 @@
 //! by the next owner of the partition before it processes anything. `docs/state.md`
 //! gives the design and the argument for exactly-once.
 //!
-//! This module holds the typed stores; `records` holds the changelog's rules as plain data: how a
+//! This module holds the typed stores; `flotilla_proto::store` holds the changelog's rules as plain data: how a
 //! record and a commit record are encoded, and which value of a key a restore takes
 //! ([`Resolution`]). The worker performs the I/O.
 //!
@@ -36,8 +36,9 @@ use std::rc::Rc;
 
 use crate::task::TaskError;
 
-mod records;
-pub use records::{CommitRecord, Record, Resolution, claim, commit_key, hex, record_key, resolve, unhex};
+pub use flotilla_proto::store::records::{
+    CommitRecord, Record, Resolution, claim, commit_key, hex, record_key, resolve, unhex,
+};
 
 /// The KV bucket (per job) that holds every store's changelog.
 pub const STATE: &str = "STATE";

@@ -902,7 +902,7 @@ impl<T: Task> TaskWorker<T> {
                 self.try_finish_stop(ctx);
                 return;
             }
-            match self.state.next_op(Instant::now()) {
+            match self.state.next_op(Instant::now().into_std()) {
                 Op::Process(p) => {
                     let envelope = Envelope {
                         delivery: p.msg,
@@ -1202,7 +1202,7 @@ impl<T: Task> TaskWorker<T> {
         envelope.started = Some(now);
         envelope.backing_off = false;
         if envelope.counted {
-            self.state.attempt_started(order, now);
+            self.state.attempt_started(order, now.into_std());
         }
         let Some(envelope) = self.inflight.get(&order) else { return };
         let d = &envelope.delivery;
@@ -1363,7 +1363,7 @@ impl<T: Task> TaskWorker<T> {
         envelope.started = None;
         if !envelope.counted {
             envelope.counted = true;
-            self.state.restart(order, Instant::now());
+            self.state.restart(order, Instant::now().into_std());
         }
         let n = envelope.unavailable;
         if n > self.config.unavailable_retries {
@@ -1538,7 +1538,7 @@ impl<T: Task> TaskWorker<T> {
                     && !e.counted
                 {
                     e.counted = true;
-                    self.state.restart(order, Instant::now());
+                    self.state.restart(order, Instant::now().into_std());
                 }
                 self.failed_attempt(order, format!("output not stored: {err}"), ctx);
             }
@@ -2226,7 +2226,7 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
             Tick::CheckTimeouts => {
                 self.timeout_check_armed = false;
                 if let Some(timeout) = self.config.callback_timeout {
-                    let late = self.state.timed_out(Instant::now(), timeout);
+                    let late = self.state.timed_out(Instant::now().into_std(), timeout);
                     if let Some(order) = late.first() {
                         let seq = self.inflight.get(order).map(|e| e.delivery.info.stream_seq);
                         self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);

@@ -1,6 +1,6 @@
 //! The task state machine of the reference run loop, as plain data and functions.
 //!
-//! No actors, no I/O, no clock of its own: [`TaskWorker`](crate::task_worker) feeds it
+//! No actors, no I/O, no clock of its own: the task worker (in `flotilla-actors`) feeds it
 //! envelopes and completions and asks it what to do next; time comes in as arguments.
 //!
 //! Rules (DESIGN §6, the reference run loop's `AsyncTaskState`):
@@ -20,7 +20,7 @@
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// Identifies one input partition of a task (co-partitioned inputs share a task).
 pub type InputId = u32;

@@ -1,0 +1,18 @@
+//! Flotilla's rules as plain data (sans-IO, like `quinn-proto`): every decision the
+//! runtime makes, as data and functions with time passed in. No actors, no broker, no
+//! clock or thread of its own; `flotilla-actors` performs what these rules decide.
+//!
+//! * [`partition`]: the per-partition run loop's readiness and priorities
+//!   ([`partition::TaskState`]);
+//! * [`store`]: the changelog's records, how a restore resolves a key, and the claim a
+//!   new writer makes;
+//! * [`backoff`]: the retry policy and its one back-off.
+//!
+//! `docs/architecture.md` says which crate decides and which performs.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod backoff;
+pub mod partition;
+pub mod store;
