@@ -10,7 +10,10 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod assignment;
+/// The cluster plan ([`flotilla_proto::cluster::assignment`]).
+pub mod assignment {
+    pub use flotilla_proto::cluster::assignment::*;
+}
 pub mod cluster;
 pub mod config;
 pub mod container;

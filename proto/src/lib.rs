@@ -6,7 +6,9 @@
 //!   ([`partition::TaskState`]);
 //! * [`store`]: the changelog's records, how a restore resolves a key, and the claim a
 //!   new writer makes;
-//! * [`backoff`]: the retry policy and its one back-off.
+//! * [`backoff`]: the retry policy and its one back-off;
+//! * [`cluster`]: the plan of which node holds which ordered partition;
+//! * [`partitioner`]: the partition of a key (part of the wire format).
 //!
 //! `docs/architecture.md` says which crate decides and which performs.
 
@@ -14,5 +16,7 @@
 #![warn(missing_docs)]
 
 pub mod backoff;
+pub mod cluster;
 pub mod partition;
+pub mod partitioner;
 pub mod store;

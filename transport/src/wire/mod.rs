@@ -5,7 +5,10 @@ pub mod codec;
 pub mod headers;
 pub mod ids;
 pub mod names;
-pub mod partition;
+/// The partitioner (`flotilla_proto::partitioner`): part of the wire format.
+pub mod partition {
+    pub use flotilla_proto::partitioner::*;
+}
 pub mod subjects;
 
 pub use codec::{Codec, CodecError, DEFAULT_MAX_PAYLOAD, HARD_MAX_PAYLOAD, WIRE_VERSION};

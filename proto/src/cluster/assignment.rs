@@ -11,7 +11,7 @@
 //!   wire format's FNV-1a, so the choice spreads evenly and does not depend on order.
 //! * **Bounded steps**: [`limit_moves`] applies at most `k` moves of a plan at a time.
 
-use flotilla_transport::wire::fnv1a64;
+use crate::partitioner::fnv1a64;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Owner per partition.

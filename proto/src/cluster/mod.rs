@@ -1,0 +1,3 @@
+//! The cluster's rules: which node should hold which partition.
+
+pub mod assignment;
