@@ -1868,8 +1868,9 @@ impl<T: Task> TaskWorker<T> {
             messages = waiting.len(),
             "stopping: handing back what waits for a retry instead of waiting out its back-off"
         );
-        let first = waiting.iter().min().copied();
-        self.handed_back_mid_retry = self.handed_back_mid_retry.min(first).or(first);
+        if let Some(&first) = waiting.iter().min() {
+            self.handed_back_mid_retry = Some(self.handed_back_mid_retry.map_or(first, |h| h.min(first)));
+        }
         for order in waiting {
             let Some(e) = self.inflight.remove(&order) else { continue };
             self.claimed.remove(&order);
