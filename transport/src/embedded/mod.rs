@@ -53,6 +53,8 @@ struct Inner {
     state: Mutex<State>,
     /// Fault injection: JetStream operations fail while set.
     unavailable: std::sync::atomic::AtomicBool,
+    /// Fault injection: writes to subjects matching this pattern fail while set.
+    refused: Mutex<Option<String>>,
     clock: Arc<dyn Clock>,
     events: broadcast::Sender<ConnectionEvent>,
     max_payload: usize,
@@ -83,6 +85,7 @@ impl EmbeddedBroker {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
                 unavailable: std::sync::atomic::AtomicBool::new(false),
+                refused: Mutex::new(None),
                 clock,
                 events,
                 max_payload: DEFAULT_MAX_PAYLOAD,
@@ -111,7 +114,29 @@ impl EmbeddedBroker {
     }
 }
 
+impl EmbeddedBroker {
+    /// Fault injection for tests: while `Some(pattern)`, writes to subjects matching it
+    /// (NATS wildcards; a KV write goes to `$KV.<bucket>.<key>`) fail with
+    /// [`BrokerError::ServerUnavailable`], as when one stream has no leader or its store
+    /// is full; reads and every other subject keep working. `None` lifts it.
+    pub fn refuse_writes(&self, pattern: Option<&str>) {
+        *self.inner.refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = pattern.map(str::to_owned);
+    }
+}
+
 impl Inner {
+    /// Fails a write to `subject` while [`EmbeddedBroker::refuse_writes`] covers it.
+    fn check_write(&self, subject: &str) -> BrokerResult<()> {
+        let refused = self.refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match refused.as_deref() {
+            Some(pattern) if compare::subject_matches(pattern, subject) => Err(BrokerError::ServerUnavailable {
+                operation: format!("publish to {subject}"),
+                reason: format!("writes to {pattern} refused (fault injection)"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn check(&self, operation: &str) -> BrokerResult<()> {
         if self.unavailable.load(std::sync::atomic::Ordering::SeqCst) {
             Err(BrokerError::Disconnected {
@@ -131,6 +156,7 @@ impl Inner {
 
     fn publish_now(&self, msg: OutboundMessage) -> BrokerResult<PublishAck> {
         self.check("publish")?;
+        self.check_write(&msg.subject)?;
         let size = msg.wire_size();
         if size > self.max_payload {
             return Err(BrokerError::PayloadTooLarge { size, limit: self.max_payload });
@@ -199,6 +225,7 @@ impl Inner {
         self.check("KV write")?;
         compare::validate_key(key)?;
         let mut msg = OutboundMessage::new(format!("$KV.{bucket}.{key}"), value);
+        self.check_write(&msg.subject)?;
         msg.headers = State::kv_headers(op);
         msg.expected_last_subject_seq = expect;
         let system_now = self.clock.system_now();
@@ -629,5 +656,29 @@ impl Broker for EmbeddedBroker {
 
     fn flush(&self) -> BoxFuture<BrokerResult<()>> {
         ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::Retention;
+
+    #[tokio::test]
+    async fn refused_writes_fail_only_on_their_subjects_until_lifted() {
+        let b = EmbeddedBroker::new();
+        b.ensure_stream(StreamSpec::new("A", vec!["a.>".into()], Retention::Limits)).await.expect("stream a");
+        b.ensure_stream(StreamSpec::new("B", vec!["b.>".into()], Retention::Limits)).await.expect("stream b");
+        b.ensure_kv(KvSpec::new("K", None)).await.expect("bucket");
+        b.refuse_writes(Some("a.>"));
+        let refused = b.publish(OutboundMessage::new("a.1", Bytes::new())).await;
+        assert!(matches!(refused, Err(BrokerError::ServerUnavailable { .. })), "{refused:?}");
+        b.publish(OutboundMessage::new("b.1", Bytes::new())).await.expect("other subjects are written");
+        b.kv_put("K", "k", Bytes::from_static(b"1")).await.expect("and buckets");
+        b.refuse_writes(Some("$KV.K.>"));
+        assert!(b.kv_put("K", "k", Bytes::from_static(b"2")).await.is_err(), "a refused bucket");
+        assert_eq!(b.kv_get("K", "k").await.expect("reads work").map(|e| e.value), Some(Bytes::from_static(b"1")));
+        b.refuse_writes(None);
+        b.publish(OutboundMessage::new("a.1", Bytes::new())).await.expect("lifted");
     }
 }
