@@ -125,6 +125,23 @@ impl Discipline {
     }
 }
 
+/// The longest a parked key's message that could not be set aside waits to come again.
+pub(crate) const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
+
+/// Queue inputs: how long a parked key's message that could not be set aside (the
+/// PARKED stream refused it) waits before it comes again, after its `delivered`-th
+/// delivery: 200 ms doubling to [`PARK_RETRY_CAP`], times `jitter` (0.5 to 1.5). Each
+/// wait is a hand-back (no attempt), but one more delivery, and the consumer delivers a
+/// message at most attempts + 1 + [`RELEASE_ALLOWANCE`](super::RELEASE_ALLOWANCE) times:
+/// handed back at once, a message spent them all in about a second of refused writes;
+/// at this pace the hand-backs last half an hour at least. The key is parked, so the
+/// message was not going to run meanwhile anyway.
+pub(crate) fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
+    let doublings = delivered.saturating_sub(1).min(11) as u32;
+    let base = Duration::from_millis(200).saturating_mul(1 << doublings).min(PARK_RETRY_CAP);
+    base.mul_f64(jitter.clamp(0.5, 1.5))
+}
+
 /// Ordered inputs: whether completed messages are committed now. Once per claimed
 /// window (`uncommitted` reaching `window`), or as soon as the partition is idle (nothing
 /// pending or in flight), as a plain consumer acks the last message of each fetch; the
@@ -390,6 +407,18 @@ mod tests {
         assert!(!commit_due(255, false, 256), "busy, less than a window");
         assert!(commit_due(256, false, 256), "a whole window");
         assert!(commit_due(1, false, 0), "a window of 0 counts as 1");
+    }
+
+    #[test]
+    fn failed_parks_come_back_slower_and_slower_so_the_hand_backs_last() {
+        assert_eq!(park_retry_delay(1, 1.0), Duration::from_millis(200));
+        assert_eq!(park_retry_delay(0, 1.0), Duration::from_millis(200), "no delivery counts as the first");
+        assert_eq!(park_retry_delay(3, 1.0), Duration::from_millis(800));
+        assert_eq!(park_retry_delay(40, 1.5), PARK_RETRY_CAP.mul_f64(1.5), "capped");
+        assert_eq!(park_retry_delay(u64::MAX, 9.0), PARK_RETRY_CAP.mul_f64(1.5), "jitter clamped");
+        // The least a message's hand-backs last, every jitter at its lowest.
+        let least: Duration = (1..=u64::from(super::super::RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.5)).sum();
+        assert!(least >= Duration::from_secs(25 * 60), "the allowance lasts only {least:?}");
     }
 
     #[test]

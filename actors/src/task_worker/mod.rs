@@ -45,7 +45,7 @@ pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
 pub use self::core::SuspectRecord;
-use self::core::{Admission, AfterFailure, Discipline, Intake, SuspectVerdict, Suspects};
+use self::core::{Admission, AfterFailure, Discipline, Intake, SuspectVerdict, Suspects, park_retry_delay};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::metrics::{AckCount, TaskMetrics};
@@ -1006,11 +1006,14 @@ impl<T: Task> TaskWorker<T> {
             match result {
                 Ok(()) => act.forget(order),
                 Err(e) => {
-                    warn!(stream = act.binding.stream, error = %e, "could not park a message of a parked key: handing it back");
                     if let Some(env) = act.inflight.get(&order) {
+                        // Not at once: it would come straight back and be refused again,
+                        // spending its deliveries in a second.
                         let delivery = env.delivery.clone();
+                        let delay = park_retry_delay(delivery.info.delivered, rand::Rng::random_range(&mut rand::rng(), 0.5..1.5));
+                        warn!(stream = act.binding.stream, seq = delivery.info.stream_seq, ?delay, error = %e, "could not park a message of a parked key: handing it back for later");
                         act.forget(order);
-                        act.hand_back(&delivery, true);
+                        act.hand_back_after(&delivery, true, Some(delay));
                     }
                 }
             }
@@ -1870,7 +1873,16 @@ impl<T: Task> TaskWorker<T> {
     /// its fault) has the release counted first, so its next delivery costs no attempt
     /// (see [`released`]).
     fn hand_back(&mut self, d: &Delivery, interrupted: bool) {
+        self.hand_back_after(d, interrupted, None);
+    }
+
+    /// [`hand_back`](Self::hand_back), a queue message coming again after `delay`.
+    fn hand_back_after(&mut self, d: &Delivery, interrupted: bool, delay: Option<Duration>) {
         let Some(kind) = self.binding.discipline().release() else { return };
+        let kind = match kind {
+            AckKind::Nak(None) => AckKind::Nak(delay),
+            other => other,
+        };
         if !interrupted || self.binding.ordered() {
             self.ack(&d.token, kind);
             return;
