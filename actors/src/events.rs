@@ -126,6 +126,25 @@ pub enum Event {
         /// The node that released it.
         node: String,
     },
+    /// A partition is drained or at its end of stream, and the record saying so could
+    /// not be stored in the CONTROL bucket: the node keeps its lease (no worker runs for
+    /// it) and tries again; the run (or the drain) completes once it is stored.
+    DoneNotRecorded {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// The node holding it.
+        node: String,
+        /// `ended` or `drained`.
+        done: String,
+        /// The error.
+        error: String,
+        /// Tries that failed so far.
+        failures: u32,
+        /// When the next try is, in milliseconds.
+        retry_in_ms: u64,
+    },
 }
 
 impl Event {
@@ -143,6 +162,7 @@ impl Event {
             Event::PartitionAcquired { .. } => "partition_acquired",
             Event::PartitionLost { .. } => "partition_lost",
             Event::PartitionReleased { .. } => "partition_released",
+            Event::DoneNotRecorded { .. } => "done_not_recorded",
         }
     }
 }

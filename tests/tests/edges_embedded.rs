@@ -7,8 +7,9 @@ use flotilla_actors::cluster::ClusterConfig;
 use flotilla_actors::{Job, RunningJob, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::ControlClient;
 use flotilla_transport::EmbeddedBroker;
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{AckPolicy, ConsumerSpec, CoreMessage, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -18,6 +19,8 @@ struct Record {
     body: String,
 }
 
+const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
+const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
 const JOBS: StreamDef<Record> = StreamDef::queue("jobs");
 const DONE: StreamDef<Record> = StreamDef::queue("done");
 
@@ -30,6 +33,17 @@ impl Task for Forward {
     async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
         let attempt = ctx.message().map_or(0, |m| m.attempt);
         ctx.send(&DONE, &r.id.to_string(), Record { id: r.id, body: format!("attempt {attempt}") }).await
+    }
+}
+
+/// Forwards a record of an ordered input.
+struct Relay;
+
+impl Task for Relay {
+    type Input = Record;
+
+    async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        ctx.send(&OUT, &r.id.to_string(), &r).await
     }
 }
 
@@ -75,6 +89,29 @@ async fn read_all(b: &SharedBroker, js_stream: &str) -> Vec<(Record, flotilla_tr
         }
     }
     b.delete_consumer(js_stream, &name).await.expect("delete reader");
+    out
+}
+
+/// A receiver of the job's runtime events from now on.
+async fn collect_events(b: &SharedBroker) -> tokio::sync::mpsc::UnboundedReceiver<CoreMessage> {
+    let mut sub = b.subscribe("flotilla.t._evt.>", None).await.expect("subscribe to events");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    actix::spawn(async move {
+        while let Some(m) = sub.next().await {
+            if tx.send(m).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// The events received so far.
+fn drain_events(rx: &mut tokio::sync::mpsc::UnboundedReceiver<CoreMessage>) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    while let Ok(m) = rx.try_recv() {
+        out.push(serde_json::from_slice(&m.payload).expect("an event is JSON"));
+    }
     out
 }
 
@@ -133,4 +170,119 @@ async fn a_message_that_cannot_be_parked_comes_back_with_backoff_and_costs_no_at
     eprintln!("a minute of refused parks: {deliveries} deliveries");
     node.stop();
     node.wait().await.expect("clean stop");
+}
+
+async fn ordered_node(b: &SharedBroker, id: &str) -> RunningJob {
+    Job::new("t")
+        .task(IN, |_| Relay)
+        .output(OUT)
+        .start_node(b.clone(), id, ClusterConfig::default())
+        .await
+        .expect("node")
+}
+
+/// Who holds each partition of `in` (`-` for nobody).
+async fn lease_holders(b: &SharedBroker) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in 0..4 {
+        let entry = b.kv_get("FLOTILLA_t_LEASES", &format!("in.{p}")).await.expect("read lease");
+        let node = entry
+            .and_then(|e| serde_json::from_slice::<serde_json::Value>(&e.value).ok())
+            .and_then(|v| v.get("node").and_then(|n| n.as_str()).map(str::to_owned));
+        out.push(node.unwrap_or_else(|| "-".into()));
+    }
+    out
+}
+
+async fn publish_to_partition(b: &SharedBroker, p: u32, id: u64) {
+    let payload = Codec::default().encode(&Record { id, body: "ok".into() }).expect("encode");
+    let msg = OutboundMessage::new(format!("flotilla.t.in.{p}"), payload)
+        .with_id(format!("in-{id}"))
+        .with_header(headers::KEY, id.to_string());
+    b.publish(msg).await.expect("publish");
+}
+
+/// An end of stream whose `ended` record cannot be written (CONTROL refuses writes for
+/// 90 s) keeps its partition's lease, with no worker running for it, until the record
+/// is stored; then the run completes on both nodes. Before, the lease went after a
+/// minute of retries: the other node took the partition up past its marker, ran what
+/// followed it in the ended run, and the run never completed.
+#[actix_rt::test]
+async fn an_end_that_cannot_be_recorded_keeps_its_lease_until_it_is_and_the_run_completes() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let (a, c) = (ordered_node(&b, "a").await, ordered_node(&b, "c").await);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let holders = loop {
+        let holders = lease_holders(&b).await;
+        if ["a", "c"].iter().all(|n| holders.iter().filter(|h| h == n).count() == 2) {
+            break holders;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "LIVENESS: partitions not balanced: {holders:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut events = collect_events(&b).await;
+    embedded.refuse_writes(Some("$KV.FLOTILLA_t_CONTROL.>"));
+    for p in 0..4u32 {
+        publish_to_partition(&b, p, u64::from(p)).await;
+        let marker = OutboundMessage::new(format!("flotilla.t.in.{p}"), bytes::Bytes::new())
+            .with_id(format!("eos-{p}"))
+            .with_header(headers::KIND, "end-of-stream");
+        b.publish(marker).await.expect("marker");
+        // After the marker: not for this run.
+        publish_to_partition(&b, p, 100 + u64::from(p)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(90)).await;
+    let during = lease_holders(&b).await;
+    let out: Vec<u64> = read_all(&b, "FLOTILLA_t_out").await.iter().map(|(r, _)| r.id).collect();
+    assert_eq!(
+        during, holders,
+        "SAFETY: an ended partition's lease went before its end was recorded (outputs {out:?})"
+    );
+    assert_eq!(out.len(), 4, "SAFETY: records after the end-of-stream markers ran in the ended run: {out:?}");
+    let unrecorded: Vec<serde_json::Value> =
+        drain_events(&mut events).into_iter().filter(|e| e["type"] == "done_not_recorded").collect();
+    for p in 0..4 {
+        let of_p = unrecorded.iter().filter(|e| e["partition"] == p && e["done"] == "ended").count();
+        assert!(of_p >= 3, "each failed try is an event: partition {p} has {of_p} in 90 s: {unrecorded:?}");
+    }
+    embedded.refuse_writes(None);
+    let ended = tokio::time::timeout(Duration::from_secs(120), async {
+        a.wait().await.expect("a ends cleanly");
+        c.wait().await.expect("c ends cleanly");
+    })
+    .await;
+    assert!(ended.is_ok(), "LIVENESS: the run did not complete once the ended records could be written");
+    let out: Vec<u64> = read_all(&b, "FLOTILLA_t_out").await.iter().map(|(r, _)| r.id).collect();
+    assert_eq!(out.len(), 4, "SAFETY: records after the markers ran: {out:?}");
+}
+
+/// A node asked to stop while an ended partition's record cannot be written still stops
+/// within its bound (drain timeout + about 9 s) and lets the lease go: the stop wins.
+#[actix_rt::test]
+async fn a_stop_ends_a_node_whose_end_is_not_recorded_yet() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let a = ordered_node(&b, "a").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while lease_holders(&b).await != ["a", "a", "a", "a"] {
+        assert!(tokio::time::Instant::now() < deadline, "LIVENESS: a took not every partition");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    embedded.refuse_writes(Some("$KV.FLOTILLA_t_CONTROL.>"));
+    for p in 0..4u32 {
+        let marker = OutboundMessage::new(format!("flotilla.t.in.{p}"), bytes::Bytes::new())
+            .with_id(format!("eos-{p}"))
+            .with_header(headers::KIND, "end-of-stream");
+        b.publish(marker).await.expect("marker");
+    }
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(lease_holders(&b).await, ["a", "a", "a", "a"], "SAFETY: leases went before the ends were recorded");
+    let bound = a.stop_deadline();
+    a.stop();
+    let stopped = tokio::time::timeout(bound, a.wait()).await;
+    assert!(stopped.is_ok(), "LIVENESS: the node did not stop within {bound:?}");
+    assert_eq!(lease_holders(&b).await, ["-", "-", "-", "-"], "the stop let the leases go");
 }
