@@ -18,6 +18,7 @@ pub mod failpoint;
 pub mod job;
 pub mod membership;
 pub mod metrics;
+pub mod parked;
 pub mod producer;
 pub mod reaper;
 pub mod retry;

@@ -286,3 +286,41 @@ async fn a_stop_ends_a_node_whose_end_is_not_recorded_yet() {
     assert!(stopped.is_ok(), "LIVENESS: the node did not stop within {bound:?}");
     assert_eq!(lease_holders(&b).await, ["-", "-", "-", "-"], "the stop let the leases go");
 }
+
+/// A message parked after `unpark` finished its sweeps (here: by a node whose view of the
+/// parked keys is stale, its scans failing) goes back to the queue by itself, with an
+/// event. Before, it stayed in PARKED with no event: nothing would ever run it unless
+/// someone looked at `status` and ran `unpark` again.
+#[actix_rt::test]
+async fn a_message_parked_after_unpark_is_sent_back_with_an_event() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let node = queue_node(&b, "a").await;
+    let control = ControlClient::new(b.clone(), "t").await.expect("control");
+    control.park("jobs", "k1", true).await.expect("park");
+    tokio::time::sleep(Duration::from_secs(3)).await; // the node's scans see it
+    let mut events = collect_events(&b).await;
+    // The node's scans fail from here on: it goes on seeing k1 parked.
+    embedded.refuse_reads(Some("$KV.FLOTILLA_t_CONTROL.stop.a"));
+    assert_eq!(control.park("jobs", "k1", false).await.expect("unpark"), 0, "nothing was parked yet");
+    publish_job(&b, 1, "k1").await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let parked = messages(&b, "FLOTILLA_t_PARKED").await;
+    let done = read_all(&b, "FLOTILLA_t_done").await;
+    let events = drain_events(&mut events);
+    assert_eq!(
+        (parked, done.len()),
+        (0, 1),
+        "SAFETY: a message of an unparked key stays set aside (parked, done); events {events:?}"
+    );
+    assert_eq!(done[0].0.body, "attempt 1", "SAFETY: being parked cost an attempt");
+    let sent_back: Vec<&serde_json::Value> = events.iter().filter(|e| e["type"] == "parked_after_unpark").collect();
+    assert!(
+        sent_back.len() == 1 && sent_back[0]["key"] == "k1" && sent_back[0]["sent_back"] == 1,
+        "an event says what was sent back: {events:?}"
+    );
+    embedded.refuse_reads(None);
+    node.stop();
+    node.wait().await.expect("clean stop");
+}

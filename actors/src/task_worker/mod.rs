@@ -992,6 +992,14 @@ impl<T: Task> TaskWorker<T> {
         // The same message parked again (its term was lost) is dropped as a duplicate.
         out.headers.insert(headers::MSG_ID, format!("parked-{}-{}", d.info.stream, d.info.stream_seq));
         out.headers.insert(headers::PARKED_SEQ, d.info.stream_seq.to_string());
+        let key = d.headers.get(headers::KEY).unwrap_or_default().to_owned();
+        let recheck = crate::parked::recheck(
+            self.env.broker.clone(),
+            self.env.subjects.clone(),
+            self.env.parked.clone(),
+            stream.clone(),
+            key,
+        );
         let broker = self.env.broker.clone();
         let token = d.token.clone();
         self.metrics.acked(AckCount::Term, 1);
@@ -1004,7 +1012,11 @@ impl<T: Task> TaskWorker<T> {
         };
         ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| {
             match result {
-                Ok(()) => act.forget(order),
+                Ok(()) => {
+                    act.forget(order);
+                    // Parked after an unpark's last sweep, nobody would send it back.
+                    actix::spawn(recheck);
+                }
                 Err(e) => {
                     if let Some(env) = act.inflight.get(&order) {
                         // Not at once: it would come straight back and be refused again,
