@@ -36,13 +36,17 @@ impl Task for Forward {
     }
 }
 
-/// Forwards a record of an ordered input.
+/// Forwards a record of an ordered input; one with a body `sleep:<ms>` takes that long.
 struct Relay;
 
 impl Task for Relay {
     type Input = Record;
 
     async fn process(&mut self, r: Record, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        if let Some(ms) = r.body.strip_prefix("sleep:") {
+            let ms: u64 = ms.parse().map_err(|_| TaskError::failed("bad sleep"))?;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
         ctx.send(&OUT, &r.id.to_string(), &r).await
     }
 }
@@ -195,7 +199,11 @@ async fn lease_holders(b: &SharedBroker) -> Vec<String> {
 }
 
 async fn publish_to_partition(b: &SharedBroker, p: u32, id: u64) {
-    let payload = Codec::default().encode(&Record { id, body: "ok".into() }).expect("encode");
+    publish_body(b, p, id, "ok").await;
+}
+
+async fn publish_body(b: &SharedBroker, p: u32, id: u64, body: &str) {
+    let payload = Codec::default().encode(&Record { id, body: body.into() }).expect("encode");
     let msg = OutboundMessage::new(format!("flotilla.t.in.{p}"), payload)
         .with_id(format!("in-{id}"))
         .with_header(headers::KEY, id.to_string());
@@ -323,4 +331,89 @@ async fn a_message_parked_after_unpark_is_sent_back_with_an_event() {
     embedded.refuse_reads(None);
     node.stop();
     node.wait().await.expect("clean stop");
+}
+
+/// A long, healthy message that its owners keep losing for other reasons is not a crash
+/// loop. A node holds partition 0 while a message that takes two minutes runs there, and
+/// loses the partition 20 s into it, three times (its lease cannot be renewed: to the
+/// cluster that is a node that died). The partition resumes each time with the message
+/// unfinished, so it is a suspect, counted while it runs. Before, it was counted for as
+/// long as it ran and was dead-lettered as `crash-loop` after the crash limit (2), a
+/// healthy message thrown out; now a suspect that ran 10 s without ending its owner is
+/// no longer to blame for what ends it, and the message completes.
+#[actix_rt::test]
+async fn a_long_suspect_is_not_blamed_for_owners_that_end_of_something_else() {
+    tokio::time::pause();
+    let embedded = EmbeddedBroker::new();
+    let b = embedded.shared();
+    let node = Job::new("t")
+        .task(IN, |_| Relay)
+        .output(OUT)
+        .crash_limit(2)
+        .start_node(b.clone(), "a", ClusterConfig::default())
+        .await
+        .expect("node");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while lease_holders(&b).await != ["a", "a", "a", "a"] {
+        assert!(tokio::time::Instant::now() < deadline, "LIVENESS: a took not every partition");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    publish_body(&b, 0, 1, "sleep:120000").await;
+    let mut epochs = Vec::new();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        // The node loses the partition (its renewals fail), then takes it again.
+        embedded.refuse_writes(Some("$KV.FLOTILLA_t_LEASES.in.0"));
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        embedded.refuse_writes(None);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let lease = b.kv_get("FLOTILLA_t_LEASES", "in.0").await.expect("lease").map(|e| e.revision);
+        epochs.push(lease);
+    }
+    let dead: Vec<String> = read_all(&b, "FLOTILLA_t_DLQ")
+        .await
+        .iter()
+        .map(|(r, h)| format!("{}: {:?} {:?}", r.id, h.get(headers::DLQ_REASON), h.get(headers::DLQ_DETAIL)))
+        .collect();
+    assert!(dead.is_empty(), "SAFETY: a healthy message was dead-lettered for its owners' ends: {dead:?}");
+    assert!(
+        epochs.windows(2).all(|w| w[0].is_some() && w[0] < w[1]),
+        "each round moved the partition to a new lease: {epochs:?}"
+    );
+    wait_for(&b, "FLOTILLA_t_out", 1, Duration::from_secs(180)).await;
+    let out: Vec<u64> = read_all(&b, "FLOTILLA_t_out").await.iter().map(|(r, _)| r.id).collect();
+    assert_eq!(out, [1], "SAFETY: the long message completed once");
+    node.stop();
+    node.wait().await.expect("clean stop");
+}
+
+/// What its owner sees a suspect do still counts after the window: a message whose
+/// callback hangs past a `callback_timeout` longer than the window (30 s) fails its task
+/// every time, and is dead-lettered as `crash-loop` after the crash limit (2 counted
+/// ends; the first, before it is suspect, is not counted) rather than restarting the
+/// partition forever.
+#[actix_rt::test]
+async fn a_suspect_that_hangs_past_its_window_is_still_a_crash_loop() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let job = Job::new("t")
+        .task(IN, |_| Relay)
+        .output(OUT)
+        .on_failure(flotilla_actors::FailurePolicy::RestartTask)
+        .callback_timeout(Duration::from_secs(30))
+        .crash_limit(2)
+        .start(b.clone())
+        .await
+        .expect("start");
+    publish_body(&b, 0, 1, "sleep:100000000").await;
+    publish_body(&b, 0, 2, "ok").await;
+    wait_for(&b, "FLOTILLA_t_DLQ", 1, Duration::from_secs(600)).await;
+    wait_for(&b, "FLOTILLA_t_out", 1, Duration::from_secs(60)).await;
+    let dead = read_all(&b, "FLOTILLA_t_DLQ").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].0.id, dead[0].1.get(headers::DLQ_REASON)), (1, Some("crash-loop")), "{:?}", dead[0].1);
+    let out: Vec<u64> = read_all(&b, "FLOTILLA_t_out").await.iter().map(|(r, _)| r.id).collect();
+    assert_eq!(out, [2], "the partition went on");
+    job.stop();
+    job.wait().await.expect("clean stop");
 }

@@ -226,14 +226,24 @@ impl Intake {
 /// its timeout, the task fails) is never seen to finish, so its count grows with each
 /// owner it ends; a message that finishes leaves the record at once.
 ///
-/// A node runs one suspect at a time, across all its partitions, and each suspect's
-/// start and finish are stored before the next starts: when a node dies, exactly one
-/// suspect was running, and only it is counted.
+/// A node runs one counted suspect at a time, across all its partitions, and each
+/// suspect's start and its finish (or its start taken back, once it ran 10 s with its
+/// owner alive) are stored before the next starts: when a node dies, at most one
+/// counted suspect was running, and only it is blamed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SuspectRecord {
     /// Stream sequence → times started without being seen to finish.
     pub started: BTreeMap<u64, u32>,
 }
+
+/// How long a started suspect answers for its owner's end. A message that kills its
+/// process (an abort, a stack overflow, memory running out, a thread blocked so that the
+/// node loses its leases) does so soon after it starts; one that ran this long with its
+/// owner alive is not blamed for what ends the owner later (another partition's crash,
+/// a kill, a lost lease): its owner stores that, and frees the node's suspect lane for
+/// the next. What its owner sees it do itself (a callback past `callback_timeout`, a
+/// fatal error) still counts, at any time.
+pub(crate) const SUSPECT_WINDOW: Duration = Duration::from_secs(10);
 
 /// Ordered inputs, after a take-over that found the previous owner's work unfinished:
 /// which messages are suspects and what to do before and after each.
@@ -282,6 +292,27 @@ impl Suspects {
     /// After `seq` finished (processed, or dead-lettered): the record without it.
     pub(crate) fn finish(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
         record.started.retain(|s, _| *s > committed && *s != seq);
+        record
+    }
+
+    /// `seq` ran for [`SUSPECT_WINDOW`] and its owner lives: this start is taken back (the
+    /// earlier owners' are kept), so an end of the owner from now on is not blamed on it.
+    pub(crate) fn outlived(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+        record.started.retain(|s, _| *s > committed);
+        if let Some(n) = record.started.get_mut(&seq) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                record.started.remove(&seq);
+            }
+        }
+        record
+    }
+
+    /// `seq`, past its window, ended its owner in sight (its callback timed out, or it
+    /// failed the task): counted again, as a start its owner did not survive.
+    pub(crate) fn ended_owner(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+        record.started.retain(|s, _| *s > committed);
+        *record.started.entry(seq).or_default() += 1;
         record
     }
 }
@@ -354,6 +385,26 @@ mod tests {
         assert_eq!(again.started, BTreeMap::from([(110, 2)]));
         // What is committed leaves the record.
         assert_eq!(s.finish(again, 115, 112).started, BTreeMap::new());
+    }
+
+    #[test]
+    fn a_suspect_that_outlives_its_window_is_not_blamed_unless_it_ends_its_owner_in_sight() {
+        let s = Suspects::new(120, 3);
+        let record = SuspectRecord { started: BTreeMap::from([(105, 1), (110, 2)]) };
+        // 110 ended two owners, starts a third time, runs 10 s with its owner alive.
+        let SuspectVerdict::Start(running) = s.judge(record, 110, 100) else { panic!("quarantined") };
+        assert_eq!(running.started.get(&110), Some(&3));
+        let outlived = s.outlived(running, 110, 100);
+        assert_eq!(outlived.started, BTreeMap::from([(105, 1), (110, 2)]), "this start is taken back, not the earlier");
+        // The node dies of something else now: the next owner finds 110 at 2, not 3.
+        assert!(matches!(s.judge(outlived.clone(), 110, 100), SuspectVerdict::Start(_)));
+        // Or its callback times out in sight: counted again.
+        let ended = s.ended_owner(outlived, 110, 100);
+        assert_eq!(s.judge(ended, 110, 100), SuspectVerdict::Quarantine { starts: 3 });
+        // A first start taken back leaves the record; what is committed goes too.
+        let once = SuspectRecord { started: BTreeMap::from([(104, 1), (105, 1)]) };
+        assert_eq!(s.outlived(once, 105, 104).started, BTreeMap::new());
+        assert_eq!(s.outlived(SuspectRecord::default(), 105, 100).started, BTreeMap::new(), "nothing to take back");
     }
 
     #[test]
