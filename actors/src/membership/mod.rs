@@ -1058,15 +1058,19 @@ impl Handler<Deregister> for Membership {
         let changed = self.s.subjects.control("all.changed");
         Box::pin(
             async move {
-                for (key, rev, done) in leases {
-                    // Done for the run, its record not stored yet: once more, briefly
-                    // (a stop is bounded), then the lease goes anyway.
-                    if let Some(done) = done {
-                        let put = broker.kv_put(&b.control, &done, value.clone());
-                        if !matches!(tokio::time::timeout(RECORD_AT_STOP, put).await, Ok(Ok(_))) {
-                            warn!(%key, record = %done, "stopping before the partition was recorded as done for the run: another node will take it up again in this run");
+                // Done for the run, their records not stored yet: once more, briefly (a
+                // stop is bounded), then the leases go anyway.
+                let records: Vec<&String> = leases.iter().filter_map(|(_, _, done)| done.as_ref()).collect();
+                if !records.is_empty() {
+                    let puts = records.iter().map(|key| broker.kv_put(&b.control, key, value.clone()));
+                    let stored = tokio::time::timeout(RECORD_AT_STOP, futures::future::join_all(puts)).await;
+                    for (i, record) in records.iter().enumerate() {
+                        if !stored.as_ref().is_ok_and(|results| results.get(i).is_some_and(Result::is_ok)) {
+                            warn!(%record, "stopping before the partition was recorded as done for the run: another node will take it up again in this run");
                         }
                     }
+                }
+                for (key, rev, _) in leases {
                     if let Err(e) =
                         release_lease(broker.clone(), b.leases.clone(), key.clone(), holder.clone(), rev).await
                     {

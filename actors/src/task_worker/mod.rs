@@ -293,8 +293,9 @@ pub struct TaskWorker<T: Task> {
     resync: Option<String>,
     /// Ordered inputs after a take-over that found unfinished work: the suspects.
     suspects: Option<Suspects>,
-    /// The suspect this worker runs, holding the node's suspect lane until its finish
-    /// is stored or it outlived [`SUSPECT_WINDOW`](core::SUSPECT_WINDOW) (then `None`).
+    /// The suspect this worker runs, with the node's suspect lane until its finish is
+    /// stored or it outlived [`SUSPECT_WINDOW`](core::SUSPECT_WINDOW) (the permit then
+    /// `None`: it runs on, no longer counted).
     lane: Option<(u64, Option<tokio::sync::OwnedSemaphorePermit>)>,
     retries: VecDeque<u64>,
     /// Queue hand-backs on their way (release count, then nak).
