@@ -44,7 +44,9 @@ pub struct TaskConfig {
     /// Ordered inputs: how often a message may end its owner (a crash of the process,
     /// a hang past `callback_timeout`, a task failure) before it is dead-lettered as
     /// `crash-loop` instead of ending the next one. Counted across nodes in the job's
-    /// KV bucket `SUSPECTS`.
+    /// KV bucket `SUSPECTS`; an owner that ends unseen (a crash, a lost lease) counts
+    /// only within the message's first 10 s, so a long message is not blamed for
+    /// unrelated ends, while a callback timeout or a fatal error counts at any time.
     pub crash_limit: u32,
     /// How often one attempt of a message is retried without counting while something
     /// is unavailable (its handler returned `TaskError::Unavailable`, or the broker

@@ -126,6 +126,38 @@ pub enum Event {
         /// The node that released it.
         node: String,
     },
+    /// A message of a key was parked after the key was unparked (a node saw the unpark
+    /// late, after `unpark` had swept): the node sent what was set aside for the key
+    /// back to its queue, or says why it could not (then `unpark` the key again).
+    ParkedAfterUnpark {
+        /// The queue input.
+        stream: String,
+        /// The key.
+        key: String,
+        /// Messages sent back.
+        sent_back: u64,
+        /// Why they could not be sent back.
+        error: Option<String>,
+    },
+    /// A partition is drained or at its end of stream, and the record saying so could
+    /// not be stored in the CONTROL bucket: the node keeps its lease (no worker runs for
+    /// it) and tries again; the run (or the drain) completes once it is stored.
+    DoneNotRecorded {
+        /// Input stream.
+        stream: String,
+        /// Partition.
+        partition: u32,
+        /// The node holding it.
+        node: String,
+        /// `ended` or `drained`.
+        done: String,
+        /// The error.
+        error: String,
+        /// Tries that failed so far.
+        failures: u32,
+        /// When the next try is, in milliseconds.
+        retry_in_ms: u64,
+    },
 }
 
 impl Event {
@@ -143,6 +175,8 @@ impl Event {
             Event::PartitionAcquired { .. } => "partition_acquired",
             Event::PartitionLost { .. } => "partition_lost",
             Event::PartitionReleased { .. } => "partition_released",
+            Event::DoneNotRecorded { .. } => "done_not_recorded",
+            Event::ParkedAfterUnpark { .. } => "parked_after_unpark",
         }
     }
 }
@@ -167,7 +201,10 @@ pub fn emit(broker: &SharedBroker, subjects: &Subjects, event: Event) {
         Event::PartitionAcquired { .. } | Event::PartitionLost { .. } | Event::PartitionReleased { .. } => {
             debug!(event = kind, %detail, "flotilla event")
         }
-        Event::QueueAvailable { .. } | Event::Recovered { .. } | Event::StateRestored { .. } => {
+        Event::QueueAvailable { .. }
+        | Event::Recovered { .. }
+        | Event::StateRestored { .. }
+        | Event::ParkedAfterUnpark { error: None, .. } => {
             info!(event = kind, %detail, "flotilla event")
         }
         _ => warn!(event = kind, %detail, "flotilla event"),

@@ -22,6 +22,7 @@ pub mod failpoint;
 pub mod job;
 pub mod membership;
 pub mod metrics;
+pub mod parked;
 pub mod producer;
 pub mod reaper;
 /// The retry policy ([`flotilla_proto::backoff`]).

@@ -1000,60 +1000,14 @@ impl ControlClient {
         key: &str,
     ) -> Result<Vec<(u64, flotilla_transport::broker::StoredMessage)>, ControlError> {
         let name = StreamName::new(stream.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
-        let parked_stream = self.subjects.parked_stream_name();
-        let subject = self.subjects.parked(&name);
-        let state = match self.broker.stream_state(&parked_stream).await {
-            Ok(s) => s,
-            Err(BrokerError::StreamNotFound { .. }) => return Ok(Vec::new()),
-            Err(e) => return Err(e.into()),
-        };
-        let mut out = Vec::new();
-        if state.messages == 0 {
-            return Ok(out);
-        }
-        for seq in state.first_seq.max(1)..=state.last_seq {
-            let Some(m) = self.broker.get_message(&parked_stream, seq).await? else { continue };
-            if m.subject == subject && m.headers.get(headers::KEY) == Some(key) {
-                let from = m.headers.get(headers::PARKED_SEQ).and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
-                out.push((from, m));
-            }
-        }
-        out.sort_by_key(|(from, m)| (*from, m.seq));
-        Ok(out)
+        Ok(flotilla_actors::parked::set_aside(&self.broker, &self.subjects, &name, key).await?)
     }
 
     /// Sends up to `limit` messages set aside for `key` back to the queue, oldest
     /// first, let through although the key may still be parked; returns how many.
     async fn send_back(&self, stream: &str, key: &str, limit: usize) -> Result<usize, ControlError> {
         let name = StreamName::new(stream.to_owned()).map_err(|e| ControlError::Refused(e.to_string()))?;
-        let parked_stream = self.subjects.parked_stream_name();
-        let mut moved = 0;
-        let mut last_from = None;
-        for (from, m) in self.parked_messages(stream, key).await? {
-            // The same queue message parked twice (its first term was lost): send it once.
-            if last_from == Some(from) {
-                self.broker.delete_message(&parked_stream, m.seq).await?;
-                continue;
-            }
-            if moved == limit {
-                break;
-            }
-            last_from = Some(from);
-            let mut out = OutboundMessage::new(self.subjects.queue(&name), m.payload.clone());
-            for (k, v) in m.headers.iter() {
-                if k != headers::PARKED_SEQ && k != headers::MSG_ID && !headers::is_broker_control(k) {
-                    out.headers.append(k.to_owned(), v.to_owned());
-                }
-            }
-            // One id per queue message set aside: sending it back again (a delete that
-            // failed) within the duplicate window stores it once.
-            out.headers.insert(headers::MSG_ID, format!("unparked-{}-{stream}-{from}", self.job));
-            out.headers.insert(headers::STEP, "1");
-            self.broker.publish(out).await?;
-            self.broker.delete_message(&parked_stream, m.seq).await?;
-            moved += 1;
-        }
-        Ok(moved)
+        Ok(flotilla_actors::parked::send_back(&self.broker, &self.subjects, &name, key, limit).await?)
     }
 }
 

@@ -776,6 +776,8 @@ async fn an_outage_while_outputs_are_published_costs_no_attempt_and_no_rerun() {
     embedded.set_unavailable(true); // its outputs cannot be stored when it returns
     tokio::time::sleep(Duration::from_secs(20)).await;
     embedded.set_unavailable(false);
+    // The publish's back-off may have grown to 25.6 s (±50 %) during the outage.
+    tokio::time::sleep(Duration::from_secs(40)).await;
     wait_for(&b, "FLOTILLA_t_out", 1).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert_eq!(calls(61), 1, "the same outputs were published again; the handler did not run again");

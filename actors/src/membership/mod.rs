@@ -23,8 +23,10 @@
 //! arbiter after the node registered; ticked by the [`TimerService`]. It stops the
 //! container to leave; [`Deregister`] then removes the node's leases and key.
 
+mod done;
 mod messages;
 
+use done::Done;
 pub use messages::{ControlMessage, Deregister, Leave, LeaveReason};
 
 use crate::assignment;
@@ -126,6 +128,10 @@ struct Held {
     fence: Fence,
     renewing: bool,
     releasing: bool,
+    /// Drained or at its end of stream in this run: no worker runs for it any more, and
+    /// the lease is kept (and renewed) until the record saying so is stored, so that no
+    /// node takes the partition up again in the run.
+    done: Option<Done>,
 }
 
 /// What one scan read.
@@ -177,6 +183,9 @@ impl std::fmt::Debug for Membership {
 }
 
 const SEEN_REQUESTS: usize = 1024;
+
+/// How long a stopping node tries once more to store a done record it could not store.
+const RECORD_AT_STOP: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Membership {
     /// The actor for a node that has registered.
@@ -402,7 +411,13 @@ impl Membership {
                 let target = plan.get(&p);
                 let leased = matches!(view.leases.get(&part), Some(Some(_)));
                 if let Some(h) = self.held.get(&part) {
-                    if settled && !h.releasing && target.is_some_and(|t| *t != self.s.node) && budget > 0 {
+                    // A partition done for the run goes once its record is stored.
+                    if settled
+                        && !h.releasing
+                        && h.done.is_none()
+                        && target.is_some_and(|t| *t != self.s.node)
+                        && budget > 0
+                    {
                         budget -= 1;
                         info!(stream = %part.0, partition = p, to = ?target, "rebalancing: handing the partition over");
                         self.release(&part);
@@ -943,6 +958,7 @@ impl Held {
             fence,
             renewing: false,
             releasing: false,
+            done: None,
         }
     }
 }
@@ -984,20 +1000,18 @@ impl Handler<Tick> for Membership {
 impl Handler<SlotEnded> for Membership {
     type Result = ();
 
-    fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
+    fn handle(&mut self, ended: SlotEnded, ctx: &mut Context<Self>) {
         let Some(part) = self.slot_of.remove(&ended.slot) else { return };
         // A partition drained or at its end of stream is done for this run: record it
         // before the lease goes, so no node starts it again in the run.
-        let key = match ended.outcome {
+        let done = match ended.outcome {
             Outcome::EndOfStream => {
                 info!(stream = %part.0, partition = part.1, "partition reached its end of stream");
-                self.ended.insert(part.clone());
-                keys::ended(&part.0, part.1)
+                Done::Ended
             }
             Outcome::Drained => {
                 info!(stream = %part.0, partition = part.1, "partition drained");
-                self.drained.insert(part.clone());
-                keys::drained(&part.0, part.1)
+                Done::Drained
             }
             _ => {
                 if self.held.contains_key(&part) {
@@ -1006,46 +1020,11 @@ impl Handler<SlotEnded> for Membership {
                 return;
             }
         };
-        let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
-        let stored = record_done(self.s.broker.clone(), self.buckets.control.clone(), key, &record);
-        let del = self.held.get(&part).map(|h| h.revision);
-        let broker = self.s.broker.clone();
-        let bucket = self.buckets.leases.clone();
-        self.held.remove(&part);
-        actix::spawn(async move {
-            if let Err(e) = stored.await {
-                warn!(error = %e, stream = %part.0, partition = part.1, "could not record that the partition is done for the run");
-            }
-            if let Some(rev) = del {
-                let _ = broker.kv_delete(&bucket, &keys::lease(&part.0, part.1), Some(rev)).await;
-            }
-        });
-    }
-}
-
-/// Stores `record` at `key` (a partition drained or ended in the run), retrying
-/// passing failures for up to a minute: until it is stored, other nodes would take the
-/// partition up again.
-fn record_done(
-    broker: SharedBroker,
-    bucket: String,
-    key: String,
-    record: &DrainedRecord,
-) -> impl std::future::Future<Output = Result<(), BrokerError>> + 'static {
-    let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-    async move {
-        let started = Instant::now();
-        let mut tries = 0;
-        loop {
-            match broker.kv_put(&bucket, &key, value.clone()).await {
-                Ok(_) => return Ok(()),
-                Err(e) if e.is_transient() && started.elapsed() < std::time::Duration::from_secs(60) => {
-                    tries += 1;
-                    tokio::time::sleep(flotilla_transport::jetstream::reconnect_delay(tries)).await;
-                }
-                Err(e) => return Err(e),
-            }
+        if let Some(h) = self.held.get_mut(&part) {
+            h.slot = None;
+            h.done = Some(done);
         }
+        self.record_done(part, done, 0, ctx);
     }
 }
 
@@ -1063,11 +1042,13 @@ impl Handler<Deregister> for Membership {
     fn handle(&mut self, _: Deregister, _: &mut Context<Self>) -> Self::Result {
         self.gone = true;
         let broker = self.s.broker.clone();
-        let leases: Vec<(String, u64)> = std::mem::take(&mut self.held)
+        let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
+        let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+        let leases: Vec<(String, u64, Option<String>)> = std::mem::take(&mut self.held)
             .into_iter()
             .map(|(part, h)| {
                 h.fence.revoke();
-                (keys::lease(&part.0, part.1), h.revision)
+                (keys::lease(&part.0, part.1), h.revision, h.done.map(|d| d.key(&part)))
             })
             .collect();
         let b = self.buckets.clone();
@@ -1077,7 +1058,19 @@ impl Handler<Deregister> for Membership {
         let changed = self.s.subjects.control("all.changed");
         Box::pin(
             async move {
-                for (key, rev) in leases {
+                // Done for the run, their records not stored yet: once more, briefly (a
+                // stop is bounded), then the leases go anyway.
+                let records: Vec<&String> = leases.iter().filter_map(|(_, _, done)| done.as_ref()).collect();
+                if !records.is_empty() {
+                    let puts = records.iter().map(|key| broker.kv_put(&b.control, key, value.clone()));
+                    let stored = tokio::time::timeout(RECORD_AT_STOP, futures::future::join_all(puts)).await;
+                    for (i, record) in records.iter().enumerate() {
+                        if !stored.as_ref().is_ok_and(|results| results.get(i).is_some_and(Result::is_ok)) {
+                            warn!(%record, "stopping before the partition was recorded as done for the run: another node will take it up again in this run");
+                        }
+                    }
+                }
+                for (key, rev, _) in leases {
                     if let Err(e) =
                         release_lease(broker.clone(), b.leases.clone(), key.clone(), holder.clone(), rev).await
                     {

@@ -125,6 +125,23 @@ impl Discipline {
     }
 }
 
+/// The longest a parked key's message that could not be set aside waits to come again.
+pub(crate) const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
+
+/// Queue inputs: how long a parked key's message that could not be set aside (the
+/// PARKED stream refused it) waits before it comes again, after its `delivered`-th
+/// delivery: 200 ms doubling to [`PARK_RETRY_CAP`], times `jitter` (0.5 to 1.5). Each
+/// wait is a hand-back (no attempt), but one more delivery, and the consumer delivers a
+/// message at most attempts + 1 + [`RELEASE_ALLOWANCE`](super::RELEASE_ALLOWANCE) times:
+/// handed back at once, a message spent them all in about a second of refused writes;
+/// at this pace the hand-backs last half an hour at least. The key is parked, so the
+/// message was not going to run meanwhile anyway.
+pub(crate) fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
+    let doublings = delivered.saturating_sub(1).min(11) as u32;
+    let base = Duration::from_millis(200).saturating_mul(1 << doublings).min(PARK_RETRY_CAP);
+    base.mul_f64(jitter.clamp(0.5, 1.5))
+}
+
 /// Ordered inputs: whether completed messages are committed now. Once per claimed
 /// window (`uncommitted` reaching `window`), or as soon as the partition is idle (nothing
 /// pending or in flight), as a plain consumer acks the last message of each fetch; the
@@ -209,14 +226,24 @@ impl Intake {
 /// its timeout, the task fails) is never seen to finish, so its count grows with each
 /// owner it ends; a message that finishes leaves the record at once.
 ///
-/// A node runs one suspect at a time, across all its partitions, and each suspect's
-/// start and finish are stored before the next starts: when a node dies, exactly one
-/// suspect was running, and only it is counted.
+/// A node runs one counted suspect at a time, across all its partitions, and each
+/// suspect's start and its finish (or its start taken back, once it ran 10 s with its
+/// owner alive) are stored before the next starts: when a node dies, at most one
+/// counted suspect was running, and only it is blamed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SuspectRecord {
     /// Stream sequence → times started without being seen to finish.
     pub started: BTreeMap<u64, u32>,
 }
+
+/// How long a started suspect answers for its owner's end. A message that kills its
+/// process (an abort, a stack overflow, memory running out, a thread blocked so that the
+/// node loses its leases) does so soon after it starts; one that ran this long with its
+/// owner alive is not blamed for what ends the owner later (another partition's crash,
+/// a kill, a lost lease): its owner stores that, and frees the node's suspect lane for
+/// the next. What its owner sees it do itself (a callback past `callback_timeout`, a
+/// fatal error) still counts, at any time.
+pub(crate) const SUSPECT_WINDOW: Duration = Duration::from_secs(10);
 
 /// Ordered inputs, after a take-over that found the previous owner's work unfinished:
 /// which messages are suspects and what to do before and after each.
@@ -265,6 +292,27 @@ impl Suspects {
     /// After `seq` finished (processed, or dead-lettered): the record without it.
     pub(crate) fn finish(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
         record.started.retain(|s, _| *s > committed && *s != seq);
+        record
+    }
+
+    /// `seq` ran for [`SUSPECT_WINDOW`] and its owner lives: this start is taken back (the
+    /// earlier owners' are kept), so an end of the owner from now on is not blamed on it.
+    pub(crate) fn outlived(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+        record.started.retain(|s, _| *s > committed);
+        if let Some(n) = record.started.get_mut(&seq) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                record.started.remove(&seq);
+            }
+        }
+        record
+    }
+
+    /// `seq`, past its window, ended its owner in sight (its callback timed out, or it
+    /// failed the task): counted again, as a start its owner did not survive.
+    pub(crate) fn ended_owner(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+        record.started.retain(|s, _| *s > committed);
+        *record.started.entry(seq).or_default() += 1;
         record
     }
 }
@@ -340,6 +388,26 @@ mod tests {
     }
 
     #[test]
+    fn a_suspect_that_outlives_its_window_is_not_blamed_unless_it_ends_its_owner_in_sight() {
+        let s = Suspects::new(120, 3);
+        let record = SuspectRecord { started: BTreeMap::from([(105, 1), (110, 2)]) };
+        // 110 ended two owners, starts a third time, runs 10 s with its owner alive.
+        let SuspectVerdict::Start(running) = s.judge(record, 110, 100) else { panic!("quarantined") };
+        assert_eq!(running.started.get(&110), Some(&3));
+        let outlived = s.outlived(running, 110, 100);
+        assert_eq!(outlived.started, BTreeMap::from([(105, 1), (110, 2)]), "this start is taken back, not the earlier");
+        // The node dies of something else now: the next owner finds 110 at 2, not 3.
+        assert!(matches!(s.judge(outlived.clone(), 110, 100), SuspectVerdict::Start(_)));
+        // Or its callback times out in sight: counted again.
+        let ended = s.ended_owner(outlived, 110, 100);
+        assert_eq!(s.judge(ended, 110, 100), SuspectVerdict::Quarantine { starts: 3 });
+        // A first start taken back leaves the record; what is committed goes too.
+        let once = SuspectRecord { started: BTreeMap::from([(104, 1), (105, 1)]) };
+        assert_eq!(s.outlived(once, 105, 104).started, BTreeMap::new());
+        assert_eq!(s.outlived(SuspectRecord::default(), 105, 100).started, BTreeMap::new(), "nothing to take back");
+    }
+
+    #[test]
     fn only_what_the_previous_owner_had_is_suspect() {
         let s = Suspects::new(50, 3);
         assert!(s.covers(50) && !s.covers(51));
@@ -390,6 +458,18 @@ mod tests {
         assert!(!commit_due(255, false, 256), "busy, less than a window");
         assert!(commit_due(256, false, 256), "a whole window");
         assert!(commit_due(1, false, 0), "a window of 0 counts as 1");
+    }
+
+    #[test]
+    fn failed_parks_come_back_slower_and_slower_so_the_hand_backs_last() {
+        assert_eq!(park_retry_delay(1, 1.0), Duration::from_millis(200));
+        assert_eq!(park_retry_delay(0, 1.0), Duration::from_millis(200), "no delivery counts as the first");
+        assert_eq!(park_retry_delay(3, 1.0), Duration::from_millis(800));
+        assert_eq!(park_retry_delay(40, 1.5), PARK_RETRY_CAP.mul_f64(1.5), "capped");
+        assert_eq!(park_retry_delay(u64::MAX, 9.0), PARK_RETRY_CAP.mul_f64(1.5), "jitter clamped");
+        // The least a message's hand-backs last, every jitter at its lowest.
+        let least: Duration = (1..=u64::from(super::super::RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.5)).sum();
+        assert!(least >= Duration::from_secs(25 * 60), "the allowance lasts only {least:?}");
     }
 
     #[test]

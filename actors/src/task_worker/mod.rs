@@ -25,8 +25,8 @@
 //!   container resets the partition at its committed position.
 //! * **Suspects**: after a take-over that found the previous owner's work unfinished,
 //!   each message up to where it had got is counted in the job's KV while it runs, one
-//!   per node at a time; one that ended `crash_limit` owners goes to the dead-letter
-//!   stream as `crash-loop`.
+//!   per node at a time, for its first seconds (see `suspects.rs`); one that ended
+//!   `crash_limit` owners goes to the dead-letter stream as `crash-loop`.
 //!
 //! The rules (which delivery to take, when to commit, what a failure, a hand-back or a
 //! dead letter does to the message, which suspect to quarantine) are plain data in
@@ -40,6 +40,7 @@ mod changelog;
 mod core;
 mod messages;
 mod released;
+mod suspects;
 pub(crate) mod timers;
 pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
 pub use timers::{ARMINGS, ARMINGS_TTL};
@@ -47,7 +48,7 @@ pub use timers::{ARMINGS, ARMINGS_TTL};
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
 pub use self::core::SuspectRecord;
-use self::core::{Admission, AfterFailure, Discipline, Intake, SuspectVerdict, Suspects};
+use self::core::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::metrics::{AckCount, TaskMetrics};
@@ -294,9 +295,10 @@ pub struct TaskWorker<T: Task> {
     resync: Option<String>,
     /// Ordered inputs after a take-over that found unfinished work: the suspects.
     suspects: Option<Suspects>,
-    /// The suspect this worker runs, holding the node's suspect lane until its finish
-    /// is stored.
-    lane: Option<(u64, tokio::sync::OwnedSemaphorePermit)>,
+    /// The suspect this worker runs, with the node's suspect lane until its finish is
+    /// stored or it outlived [`SUSPECT_WINDOW`](core::SUSPECT_WINDOW) (the permit then
+    /// `None`: it runs on, no longer counted).
+    lane: Option<(u64, Option<tokio::sync::OwnedSemaphorePermit>)>,
     retries: VecDeque<u64>,
     /// Queue hand-backs on their way (release count, then nak).
     releases: Vec<tokio::task::JoinHandle<()>>,
@@ -1007,6 +1009,14 @@ impl<T: Task> TaskWorker<T> {
         // The same message parked again (its term was lost) is dropped as a duplicate.
         out.headers.insert(headers::MSG_ID, format!("parked-{}-{}", d.info.stream, d.info.stream_seq));
         out.headers.insert(headers::PARKED_SEQ, d.info.stream_seq.to_string());
+        let key = d.headers.get(headers::KEY).unwrap_or_default().to_owned();
+        let recheck = crate::parked::recheck(
+            self.env.broker.clone(),
+            self.env.subjects.clone(),
+            self.env.parked.clone(),
+            stream.clone(),
+            key,
+        );
         let broker = self.env.broker.clone();
         let token = d.token.clone();
         self.metrics.acked(AckCount::Term, 1);
@@ -1019,13 +1029,20 @@ impl<T: Task> TaskWorker<T> {
         };
         ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| {
             match result {
-                Ok(()) => act.forget(order),
+                Ok(()) => {
+                    act.forget(order);
+                    // Parked after an unpark's last sweep, nobody would send it back.
+                    actix::spawn(recheck);
+                }
                 Err(e) => {
-                    warn!(stream = act.binding.stream, error = %e, "could not park a message of a parked key: handing it back");
                     if let Some(env) = act.inflight.get(&order) {
+                        // Not at once: it would come straight back and be refused again,
+                        // spending its deliveries in a second.
                         let delivery = env.delivery.clone();
+                        let delay = park_retry_delay(delivery.info.delivered, rand::Rng::random_range(&mut rand::rng(), 0.5..1.5));
+                        warn!(stream = act.binding.stream, seq = delivery.info.stream_seq, ?delay, error = %e, "could not park a message of a parked key: handing it back for later");
                         act.forget(order);
-                        act.hand_back(&delivery, true);
+                        act.hand_back_after(&delivery, true, Some(delay));
                     }
                 }
             }
@@ -1080,115 +1097,6 @@ impl<T: Task> TaskWorker<T> {
             }
             act.drive(ctx);
         }));
-    }
-
-    /// Before a suspect starts: waits for the node's suspect lane (one suspect runs at
-    /// a time per node), then counts it in the job's KV, or dead-letters it as
-    /// `crash-loop` when it already ended `crash_limit` owners. It starts (as a retry
-    /// does, once the task is home) when the count is stored. When the count cannot be
-    /// stored it starts uncounted: the count is a safety net, and a wedged partition
-    /// would be worse.
-    fn count_suspect(&mut self, order: u64, seq: u64, ctx: &mut Context<Self>) {
-        let Some(suspects) = self.suspects else { return };
-        let lane = self.env.suspect_lane.clone();
-        let change = self.change_suspects();
-        let committed = self.intake.committed();
-        let fut = async move {
-            let permit = lane.acquire_owned().await.ok();
-            let verdict = change(Box::new(move |record| match suspects.judge(record, seq, committed) {
-                SuspectVerdict::Start(record) => (Some(record), None),
-                SuspectVerdict::Quarantine { starts } => (None, Some(starts)),
-            }))
-            .await;
-            (verdict, permit)
-        };
-        ctx.spawn(fut.into_actor(self).map(move |(verdict, permit), act, ctx| {
-            act.lane = permit.map(|p| (seq, p));
-            match verdict {
-                Ok(None) => act.retries.push_back(order),
-                Ok(Some(starts)) => {
-                    let limit = act.config.crash_limit;
-                    debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
-                    act.dead_letter(
-                        order,
-                        "crash-loop",
-                        format!(
-                            "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
-                        ),
-                        ctx,
-                    );
-                }
-                Err(e) => {
-                    warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
-                    act.retries.push_back(order);
-                }
-            }
-            act.drive(ctx);
-        }));
-    }
-
-    /// The suspect at `seq` finished: store that (it leaves the record), then free the
-    /// node's suspect lane for the next.
-    fn suspect_finished(&mut self, seq: u64) {
-        let (Some(suspects), Some((running, _))) = (self.suspects, &self.lane) else { return };
-        if *running != seq {
-            return;
-        }
-        let permit = self.lane.take();
-        let committed = self.intake.committed();
-        let stored =
-            self.change_suspects()(Box::new(move |record| (Some(suspects.finish(record, seq, committed)), ())));
-        actix::spawn(async move {
-            if let Err(e) = stored.await {
-                debug!(error = %e, seq, "finished suspect not stored; a later owner may count it once more");
-            }
-            drop(permit);
-        });
-    }
-
-    /// A function that reads this partition's suspect record, lets `decide` say what
-    /// to store (and what to answer), and stores it by compare-and-set, again on a race.
-    #[allow(clippy::type_complexity)]
-    fn change_suspects<R: 'static>(
-        &self,
-    ) -> impl FnOnce(
-        Box<dyn Fn(SuspectRecord) -> (Option<SuspectRecord>, R)>,
-    ) -> LocalBoxFuture<'static, Result<R, BrokerError>>
-    + 'static {
-        let broker = self.env.broker.clone();
-        let bucket = self.env.subjects.bucket_name(SUSPECTS);
-        let key = self.suspects_key();
-        move |decide| {
-            Box::pin(async move {
-                for _ in 0..5 {
-                    let entry = broker.kv_get(&bucket, &key).await?;
-                    let record = entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
-                    let (store, answer) = decide(record);
-                    let Some(record) = store else { return Ok(answer) };
-                    let value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-                    let written = match (&entry, record.started.is_empty()) {
-                        // Nothing suspect any more: the record goes.
-                        (Some(e), true) => broker.kv_delete(&bucket, &key, Some(e.revision)).await.map(|()| 0),
-                        (None, true) => return Ok(answer),
-                        (Some(e), false) => broker.kv_update(&bucket, &key, value, e.revision).await,
-                        (None, false) => broker.kv_create(&bucket, &key, value).await,
-                    };
-                    match written {
-                        Ok(_) => return Ok(answer),
-                        Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
-                        Err(e) => return Err(e),
-                    }
-                }
-                Err(BrokerError::Other {
-                    operation: format!("update suspect record {key}"),
-                    reason: "the record kept changing under this owner".into(),
-                })
-            })
-        }
-    }
-
-    fn suspects_key(&self) -> String {
-        format!("{}.{}", self.binding.stream, self.binding.partition.unwrap_or(0))
     }
 
     /// Starts (or retries) processing of the message at `order`.
@@ -1348,7 +1256,10 @@ impl<T: Task> TaskWorker<T> {
                 self.after_process(order, deferred, outputs, ctx);
             }
             Ok(Err(TaskError::Failed(reason))) => self.failed_attempt(order, reason, ctx),
-            Ok(Err(TaskError::Fatal(reason))) => self.fail(format!("process: {reason}"), ctx),
+            Ok(Err(TaskError::Fatal(reason))) => {
+                self.suspect_ended_owner(order);
+                self.fail(format!("process: {reason}"), ctx)
+            }
             Ok(Err(TaskError::Unavailable(reason))) => self.retry_unavailable(order, reason, ctx),
             Ok(Err(TaskError::Permanent { reason, detail })) => self.dead_letter(order, reason, detail, ctx),
             Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
@@ -1415,7 +1326,10 @@ impl<T: Task> TaskWorker<T> {
                             act.await_effects(order, outputs, ctx);
                         }
                         Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
-                        Ok(Err(TaskError::Fatal(reason))) => act.fail(format!("process: {reason}"), ctx),
+                        Ok(Err(TaskError::Fatal(reason))) => {
+                            act.suspect_ended_owner(order);
+                            act.fail(format!("process: {reason}"), ctx)
+                        }
                         Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
                         Ok(Err(TaskError::Permanent { reason, detail })) => act.dead_letter(order, reason, detail, ctx),
                         Err(panic) => {
@@ -1886,7 +1800,16 @@ impl<T: Task> TaskWorker<T> {
     /// its fault) has the release counted first, so its next delivery costs no attempt
     /// (see [`released`]).
     fn hand_back(&mut self, d: &Delivery, interrupted: bool) {
+        self.hand_back_after(d, interrupted, None);
+    }
+
+    /// [`hand_back`](Self::hand_back), a queue message coming again after `delay`.
+    fn hand_back_after(&mut self, d: &Delivery, interrupted: bool, delay: Option<Duration>) {
         let Some(kind) = self.binding.discipline().release() else { return };
+        let kind = match kind {
+            AckKind::Nak(None) => AckKind::Nak(delay),
+            other => other,
+        };
         if !interrupted || self.binding.ordered() {
             self.ack(&d.token, kind);
             return;
@@ -2228,8 +2151,9 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
                 self.timeout_check_armed = false;
                 if let Some(timeout) = self.config.callback_timeout {
                     let late = self.state.timed_out(Instant::now().into_std(), timeout);
-                    if let Some(order) = late.first() {
-                        let seq = self.inflight.get(order).map(|e| e.delivery.info.stream_seq);
+                    if let Some(&order) = late.first() {
+                        self.suspect_ended_owner(order);
+                        let seq = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq);
                         self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);
                         return;
                     }

@@ -54,6 +54,10 @@ struct Inner {
     state: Mutex<State>,
     /// Fault injection: JetStream operations fail while set.
     unavailable: std::sync::atomic::AtomicBool,
+    /// Fault injection: writes to subjects matching this pattern fail while set.
+    refused: Mutex<Option<String>>,
+    /// Fault injection: KV reads of keys whose subjects match this pattern fail while set.
+    refused_reads: Mutex<Option<String>>,
     clock: Arc<dyn Clock>,
     events: broadcast::Sender<ConnectionEvent>,
     max_payload: usize,
@@ -84,6 +88,8 @@ impl EmbeddedBroker {
             inner: Arc::new(Inner {
                 state: Mutex::new(State::default()),
                 unavailable: std::sync::atomic::AtomicBool::new(false),
+                refused: Mutex::new(None),
+                refused_reads: Mutex::new(None),
                 clock,
                 events,
                 max_payload: DEFAULT_MAX_PAYLOAD,
@@ -112,7 +118,45 @@ impl EmbeddedBroker {
     }
 }
 
+impl EmbeddedBroker {
+    /// Fault injection for tests: while `Some(pattern)`, writes to subjects matching it
+    /// (NATS wildcards; a KV write goes to `$KV.<bucket>.<key>`) fail with
+    /// [`BrokerError::ServerUnavailable`], as when one stream has no leader or its store
+    /// is full; reads and every other subject keep working. `None` lifts it.
+    pub fn refuse_writes(&self, pattern: Option<&str>) {
+        *self.inner.refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = pattern.map(str::to_owned);
+    }
+
+    /// Fault injection for tests: while `Some(pattern)`, KV reads of keys whose subject
+    /// (`$KV.<bucket>.<key>`) matches it fail with [`BrokerError::ServerUnavailable`];
+    /// everything else keeps working. `None` lifts it.
+    pub fn refuse_reads(&self, pattern: Option<&str>) {
+        *self.inner.refused_reads.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = pattern.map(str::to_owned);
+    }
+}
+
 impl Inner {
+    /// Fails a write to `subject` while [`EmbeddedBroker::refuse_writes`] covers it.
+    fn check_write(&self, subject: &str) -> BrokerResult<()> {
+        Self::check_refused(&self.refused, "publish to", "writes", subject)
+    }
+
+    /// Fails a KV read of `subject` while [`EmbeddedBroker::refuse_reads`] covers it.
+    fn check_read(&self, subject: &str) -> BrokerResult<()> {
+        Self::check_refused(&self.refused_reads, "read", "reads", subject)
+    }
+
+    fn check_refused(refused: &Mutex<Option<String>>, verb: &str, what: &str, subject: &str) -> BrokerResult<()> {
+        let refused = refused.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match refused.as_deref() {
+            Some(pattern) if compare::subject_matches(pattern, subject) => Err(BrokerError::ServerUnavailable {
+                operation: format!("{verb} {subject}"),
+                reason: format!("{what} of {pattern} refused (fault injection)"),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn check(&self, operation: &str) -> BrokerResult<()> {
         if self.unavailable.load(std::sync::atomic::Ordering::SeqCst) {
             Err(BrokerError::Disconnected {
@@ -132,6 +176,7 @@ impl Inner {
 
     fn publish_now(&self, msg: OutboundMessage) -> BrokerResult<PublishAck> {
         self.check("publish")?;
+        self.check_write(&msg.subject)?;
         let size = msg.wire_size();
         if size > self.max_payload {
             return Err(BrokerError::PayloadTooLarge { size, limit: self.max_payload });
@@ -200,6 +245,7 @@ impl Inner {
         self.check("KV write")?;
         compare::validate_key(key)?;
         let mut msg = OutboundMessage::new(format!("$KV.{bucket}.{key}"), value);
+        self.check_write(&msg.subject)?;
         msg.headers = State::kv_headers(op);
         msg.expected_last_subject_seq = expect;
         let system_now = self.clock.system_now();
@@ -210,6 +256,7 @@ impl Inner {
         self.check("KV read")?;
         compare::validate_key(key)?;
         let subject = format!("$KV.{bucket}.{key}");
+        self.check_read(&subject)?;
         self.with_bucket(bucket, |s, _| s.last_for_subject(&subject).and_then(|seq| s.kv_entry(seq)))
     }
 }
@@ -636,5 +683,36 @@ impl Broker for EmbeddedBroker {
 
     fn flush(&self) -> BoxFuture<BrokerResult<()>> {
         ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::Retention;
+
+    #[tokio::test]
+    async fn refused_writes_and_reads_fail_only_on_their_subjects_until_lifted() {
+        let b = EmbeddedBroker::new();
+        b.ensure_stream(StreamSpec::new("A", vec!["a.>".into()], Retention::Limits)).await.expect("stream a");
+        b.ensure_stream(StreamSpec::new("B", vec!["b.>".into()], Retention::Limits)).await.expect("stream b");
+        b.ensure_kv(KvSpec::new("K", None)).await.expect("bucket");
+        b.refuse_writes(Some("a.>"));
+        let refused = b.publish(OutboundMessage::new("a.1", Bytes::new())).await;
+        assert!(matches!(refused, Err(BrokerError::ServerUnavailable { .. })), "{refused:?}");
+        b.publish(OutboundMessage::new("b.1", Bytes::new())).await.expect("other subjects are written");
+        b.kv_put("K", "k", Bytes::from_static(b"1")).await.expect("and buckets");
+        b.refuse_writes(Some("$KV.K.>"));
+        assert!(b.kv_put("K", "k", Bytes::from_static(b"2")).await.is_err(), "a refused bucket");
+        assert_eq!(b.kv_get("K", "k").await.expect("reads work").map(|e| e.value), Some(Bytes::from_static(b"1")));
+        b.refuse_writes(None);
+        b.publish(OutboundMessage::new("a.1", Bytes::new())).await.expect("lifted");
+        b.kv_put("K", "j", Bytes::from_static(b"3")).await.expect("another key");
+        b.refuse_reads(Some("$KV.K.k"));
+        assert!(b.kv_get("K", "k").await.is_err(), "a refused read");
+        assert!(b.kv_get("K", "j").await.expect("other keys are read").is_some());
+        b.kv_put("K", "k", Bytes::from_static(b"4")).await.expect("writes work");
+        b.refuse_reads(None);
+        assert_eq!(b.kv_get("K", "k").await.expect("lifted").map(|e| e.value), Some(Bytes::from_static(b"4")));
     }
 }

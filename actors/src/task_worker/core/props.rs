@@ -352,6 +352,64 @@ proptest! {
     }
 
     #[test]
+    fn a_suspect_is_blamed_only_for_owners_it_ended_in_its_window_or_in_sight(
+        limit in 1u32..5,
+        committed in 0u64..50,
+        ahead in 1u64..20,
+        others in proptest::collection::btree_map(0u64..80, 1u32..4, 0..6),
+        owners in proptest::collection::vec((0u8..3, 0u64..60), 1..40),
+    ) {
+        // Each owner starts the suspect (if it is not quarantined) and then: it finishes
+        // (0); the owner dies unseen, of it or of anything else (1); or it ends its owner
+        // in sight, a callback timeout or a fatal error (2); `secs` after the start. The
+        // worker takes the start back at the window while its owner lives, and counts
+        // an end in sight again.
+        let seq = committed + ahead;
+        let s = Suspects::new(seq, limit);
+        let mut record = SuspectRecord { started: others.clone() };
+        record.started.remove(&seq);
+        let window = SUSPECT_WINDOW.as_secs();
+        let mut blamed = 0u32;
+        for (how, secs) in owners {
+            let running = match s.judge(record.clone(), seq, committed) {
+                SuspectVerdict::Start(r) => {
+                    prop_assert!(blamed < limit, "started with {} blamed ends of {}", blamed, limit);
+                    prop_assert_eq!(r.started.get(&seq).copied(), Some(blamed + 1));
+                    r
+                }
+                SuspectVerdict::Quarantine { starts } => {
+                    prop_assert_eq!((starts, blamed), (limit, limit), "quarantined at the limit of blamed ends");
+                    break;
+                }
+            };
+            let alive_at_window = secs >= window;
+            let outlived = if alive_at_window { s.outlived(running.clone(), seq, committed) } else { running.clone() };
+            record = match how {
+                0 => {
+                    blamed = 0;
+                    s.finish(outlived, seq, committed)
+                }
+                1 => {
+                    // Died unseen: blamed only inside the window.
+                    if !alive_at_window {
+                        blamed += 1;
+                    }
+                    outlived
+                }
+                _ => {
+                    blamed += 1;
+                    if alive_at_window { s.ended_owner(outlived, seq, committed) } else { outlived }
+                }
+            };
+            prop_assert_eq!(record.started.get(&seq).copied().unwrap_or(0), blamed, "the record counts the blamed ends");
+            let kept: BTreeMap<u64, u32> =
+                others.iter().filter(|&(&o, _)| o > committed && o != seq).map(|(&o, &n)| (o, n)).collect();
+            let rest: BTreeMap<u64, u32> = record.started.iter().filter(|&(&o, _)| o != seq).map(|(&o, &n)| (o, n)).collect();
+            prop_assert_eq!(rest, kept, "the other suspects are kept as they were");
+        }
+    }
+
+    #[test]
     fn a_busy_partition_commits_once_per_window_and_an_idle_one_at_once(
         window in 0u32..20,
         steps in proptest::collection::vec(any::<bool>(), 1..200),

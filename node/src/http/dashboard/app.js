@@ -136,11 +136,13 @@ function describe(e) {
     case "partition_acquired": return `${e.stream}/${e.partition} taken by ${e.node} (epoch ${e.epoch}, ${e.how})`;
     case "partition_lost": return `${e.stream}/${e.partition} lost by ${e.node}: ${e.why}`;
     case "partition_released": return `${e.stream}/${e.partition} handed over by ${e.node}`;
+    case "parked_after_unpark": return e.error ? `${e.stream} key ${e.key}: parked after its unpark, not sent back (${e.error}): unpark it again` : `${e.stream} key ${e.key}: ${num(e.sent_back)} parked after its unpark, sent back`;
+    case "done_not_recorded": return `${e.stream}/${e.partition} ${e.done} on ${e.node}, not recorded (${e.failures} tries: ${e.error}); lease kept, retry in ${duration(e.retry_in_ms)}`;
     default: return e.text ?? JSON.stringify(e);
   }
 }
 const LEVELS = ["info", "warn", "bad"];
-const level = (e) => (LEVELS.includes(e.level) ? e.level : null) ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad", partition_lost: "bad", partition_released: "warn" }[e.type] ?? "info");
+const level = (e) => (LEVELS.includes(e.level) ? e.level : null) ?? ({ dead_lettered: "bad", task_failed: "bad", degraded: "warn", queue_unavailable: "warn", state_restore_failed: "bad", partition_lost: "bad", partition_released: "warn", done_not_recorded: "warn" }[e.type] ?? "info");
 
 function renderEvents(server) {
   const all = server.concat(localEvents).sort((a, b) => (b.at_ms ?? 0) - (a.at_ms ?? 0)).slice(0, 100);

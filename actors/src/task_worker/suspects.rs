@@ -1,0 +1,185 @@
+//! The worker's side of suspects ([`Suspects`](super::core::Suspects)): the node's
+//! suspect lane, and the partition's record in the job's `SUSPECTS` bucket, counted
+//! before a suspect starts, taken back once it outlived its window
+//! ([`SUSPECT_WINDOW`]) with its owner alive, counted again when it ends its owner in
+//! sight, and cleared when it finishes.
+
+use super::core::{SUSPECT_WINDOW, SuspectVerdict};
+use super::{SUSPECTS, SuspectRecord, TaskWorker};
+use crate::task::Task;
+use actix::prelude::*;
+use flotilla_transport::broker::BrokerError;
+use futures::future::LocalBoxFuture;
+use std::time::Duration;
+use tracing::{debug, warn};
+
+impl<T: Task> TaskWorker<T> {
+    /// Before a suspect starts: waits for the node's suspect lane (one suspect runs at
+    /// a time per node), then counts it in the job's KV, or dead-letters it as
+    /// `crash-loop` when it already ended `crash_limit` owners. It starts (as a retry
+    /// does, once the task is home) when the count is stored. When the count cannot be
+    /// stored it starts uncounted: the count is a safety net, and a wedged partition
+    /// would be worse.
+    pub(super) fn count_suspect(&mut self, order: u64, seq: u64, ctx: &mut Context<Self>) {
+        let Some(suspects) = self.suspects else { return };
+        let lane = self.env.suspect_lane.clone();
+        let change = self.change_suspects();
+        let committed = self.intake.committed();
+        let fut = async move {
+            let permit = lane.acquire_owned().await.ok();
+            let verdict = change(Box::new(move |record| match suspects.judge(record, seq, committed) {
+                SuspectVerdict::Start(record) => (Some(record), None),
+                SuspectVerdict::Quarantine { starts } => (None, Some(starts)),
+            }))
+            .await;
+            (verdict, permit)
+        };
+        ctx.spawn(fut.into_actor(self).map(move |(verdict, permit), act, ctx| {
+            act.lane = permit.map(|p| (seq, Some(p)));
+            match verdict {
+                Ok(None) => {
+                    act.retries.push_back(order);
+                    ctx.run_later(SUSPECT_WINDOW, move |act, ctx| act.suspect_outlived(seq, ctx));
+                }
+                Ok(Some(starts)) => {
+                    let limit = act.config.crash_limit;
+                    debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
+                    act.dead_letter(
+                        order,
+                        "crash-loop",
+                        format!(
+                            "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
+                        ),
+                        ctx,
+                    );
+                }
+                Err(e) => {
+                    warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
+                    act.retries.push_back(order);
+                }
+            }
+            act.drive(ctx);
+        }));
+    }
+
+    /// The counted suspect at `seq` has run (this attempt) for [`SUSPECT_WINDOW`] with its
+    /// owner alive: store its start taken back, so that what ends the owner from now on
+    /// is not blamed on it, then free the node's suspect lane for the next suspect. Until
+    /// then (an attempt that started later, a back-off between attempts) it looks again
+    /// when the window would be over. A take-back that cannot be stored keeps the lane
+    /// and is tried again a window later.
+    fn suspect_outlived(&mut self, seq: u64, ctx: &mut Context<Self>) {
+        let (Some(suspects), Some((running, Some(_)))) = (self.suspects, &self.lane) else { return };
+        if *running != seq {
+            return;
+        }
+        let Some(envelope) = self.inflight.values().find(|e| e.delivery.info.stream_seq == seq) else { return };
+        let ran = envelope.started.map_or(Duration::ZERO, |at| at.elapsed());
+        if ran < SUSPECT_WINDOW {
+            ctx.run_later(SUSPECT_WINDOW - ran, move |act, ctx| act.suspect_outlived(seq, ctx));
+            return;
+        }
+        let permit = self.lane.as_mut().and_then(|(_, permit)| permit.take());
+        let committed = self.intake.committed();
+        let stored =
+            self.change_suspects()(Box::new(move |record| (Some(suspects.outlived(record, seq, committed)), ())));
+        ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| match result {
+            Ok(()) => {
+                debug!(stream = act.binding.stream, partition = act.binding.partition, seq, "suspect outlived its window: no longer blamed for its owner's end");
+                drop(permit);
+            }
+            Err(e) => {
+                debug!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "suspect's window not stored: it stays counted and keeps the lane");
+                if let Some((running, held @ None)) = &mut act.lane
+                    && *running == seq
+                {
+                    *held = permit;
+                    ctx.run_later(SUSPECT_WINDOW, move |act, ctx| act.suspect_outlived(seq, ctx));
+                }
+            }
+        }));
+    }
+
+    /// The message at `order` ended its owner in sight (its callback timed out, or it
+    /// failed the task). A suspect still counted needs nothing (its start stays in the
+    /// record); one that outlived its window is counted again.
+    pub(super) fn suspect_ended_owner(&mut self, order: u64) {
+        let Some(suspects) = self.suspects else { return };
+        let Some(seq) = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq) else { return };
+        if !matches!(&self.lane, Some((running, None)) if *running == seq) {
+            return;
+        }
+        let committed = self.intake.committed();
+        let stored =
+            self.change_suspects()(Box::new(move |record| (Some(suspects.ended_owner(record, seq, committed)), ())));
+        actix::spawn(async move {
+            if let Err(e) = stored.await {
+                warn!(error = %e, seq, "a suspect that ended its owner was not counted again");
+            }
+        });
+    }
+
+    /// The suspect at `seq` finished: store that (it leaves the record), then free the
+    /// node's suspect lane for the next.
+    pub(super) fn suspect_finished(&mut self, seq: u64) {
+        let (Some(suspects), Some((running, _))) = (self.suspects, &self.lane) else { return };
+        if *running != seq {
+            return;
+        }
+        let permit = self.lane.take();
+        let committed = self.intake.committed();
+        let stored =
+            self.change_suspects()(Box::new(move |record| (Some(suspects.finish(record, seq, committed)), ())));
+        actix::spawn(async move {
+            if let Err(e) = stored.await {
+                debug!(error = %e, seq, "finished suspect not stored; a later owner may count it once more");
+            }
+            drop(permit);
+        });
+    }
+
+    /// A function that reads this partition's suspect record, lets `decide` say what
+    /// to store (and what to answer), and stores it by compare-and-set, again on a race.
+    #[allow(clippy::type_complexity)]
+    fn change_suspects<R: 'static>(
+        &self,
+    ) -> impl FnOnce(
+        Box<dyn Fn(SuspectRecord) -> (Option<SuspectRecord>, R)>,
+    ) -> LocalBoxFuture<'static, Result<R, BrokerError>>
+    + 'static {
+        let broker = self.env.broker.clone();
+        let bucket = self.env.subjects.bucket_name(SUSPECTS);
+        let key = self.suspects_key();
+        move |decide| {
+            Box::pin(async move {
+                for _ in 0..5 {
+                    let entry = broker.kv_get(&bucket, &key).await?;
+                    let record = entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+                    let (store, answer) = decide(record);
+                    let Some(record) = store else { return Ok(answer) };
+                    let value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+                    let written = match (&entry, record.started.is_empty()) {
+                        // Nothing suspect any more: the record goes.
+                        (Some(e), true) => broker.kv_delete(&bucket, &key, Some(e.revision)).await.map(|()| 0),
+                        (None, true) => return Ok(answer),
+                        (Some(e), false) => broker.kv_update(&bucket, &key, value, e.revision).await,
+                        (None, false) => broker.kv_create(&bucket, &key, value).await,
+                    };
+                    match written {
+                        Ok(_) => return Ok(answer),
+                        Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(BrokerError::Other {
+                    operation: format!("update suspect record {key}"),
+                    reason: "the record kept changing under this owner".into(),
+                })
+            })
+        }
+    }
+
+    fn suspects_key(&self) -> String {
+        format!("{}.{}", self.binding.stream, self.binding.partition.unwrap_or(0))
+    }
+}
