@@ -37,7 +37,6 @@
 //! means: the worker itself hands back everything it holds (nak without delay) and stops.
 
 mod changelog;
-mod core;
 mod messages;
 mod released;
 mod suspects;
@@ -47,8 +46,6 @@ pub use timers::{ARMINGS, ARMINGS_TTL};
 
 pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
 
-pub use self::core::SuspectRecord;
-use self::core::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::metrics::{AckCount, TaskMetrics};
@@ -60,6 +57,9 @@ use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use crate::trace::TraceContext;
 use actix::prelude::*;
+use flotilla_proto::partition::intake as core;
+pub use flotilla_proto::partition::intake::SuspectRecord;
+use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
@@ -2014,14 +2014,14 @@ impl<T: Task> TaskWorker<T> {
         if self.binding.ordered() {
             // Claimed but uncommitted messages near ack-wait: keep them ours.
             for c in self.claimed.values_mut() {
-                if core::progress_due(c.at, now, ack_wait) {
+                if core::progress_due(c.at.into_std(), now.into_std(), ack_wait) {
                     c.at = now;
                     self.acks.push((c.token.clone(), AckKind::InProgress));
                 }
             }
         } else {
             for e in self.inflight.values() {
-                if e.started.is_some_and(|s| core::progress_due(s, now, ack_wait)) {
+                if e.started.is_some_and(|s| core::progress_due(s.into_std(), now.into_std(), ack_wait)) {
                     self.acks.push((e.delivery.token.clone(), AckKind::InProgress));
                 }
             }

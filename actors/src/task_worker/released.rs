@@ -7,9 +7,7 @@
 
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 
-/// Hand-backs a queue message may have beyond its attempts before the server stops
-/// delivering it (the consumer's max deliveries is attempts + 1 + this).
-pub const RELEASE_ALLOWANCE: u32 = 20;
+pub use flotilla_proto::partition::intake::RELEASE_ALLOWANCE;
 
 /// The bucket of release counts, `FLOTILLA_<job>_RELEASED` (kept 7 days).
 pub const RELEASED: &str = "RELEASED";

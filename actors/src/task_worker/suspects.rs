@@ -1,13 +1,13 @@
-//! The worker's side of suspects ([`Suspects`](super::core::Suspects)): the node's
+//! The worker's side of suspects ([`Suspects`](flotilla_proto::partition::intake::Suspects)): the node's
 //! suspect lane, and the partition's record in the job's `SUSPECTS` bucket, counted
 //! before a suspect starts, taken back once it outlived its window
 //! ([`SUSPECT_WINDOW`]) with its owner alive, counted again when it ends its owner in
 //! sight, and cleared when it finishes.
 
-use super::core::{SUSPECT_WINDOW, SuspectVerdict};
 use super::{SUSPECTS, SuspectRecord, TaskWorker};
 use crate::task::Task;
 use actix::prelude::*;
+use flotilla_proto::partition::intake::{SUSPECT_WINDOW, SuspectVerdict};
 use flotilla_transport::broker::BrokerError;
 use futures::future::LocalBoxFuture;
 use std::time::Duration;

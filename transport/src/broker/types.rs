@@ -453,19 +453,7 @@ pub(crate) enum AckTokenInner {
     Embedded { stream: Arc<str>, consumer: Arc<str>, seq: u64 },
 }
 
-/// How to acknowledge a delivery.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AckKind {
-    /// Done (on an ack-all consumer: this and every earlier delivery).
-    Ack,
-    /// Not done: redeliver after the delay (at once when `None`).
-    Nak(Option<Duration>),
-    /// Still working: restart the ack-wait timer.
-    InProgress,
-    /// Never redeliver (removes it from WorkQueue and Interest streams). Sent without a
-    /// reason, which 2.9 servers would not understand.
-    Term,
-}
+pub use flotilla_proto::partition::AckKind;
 
 /// A message claimed from a consumer.
 #[derive(Debug, Clone)]

@@ -1,4 +1,4 @@
-//! The partition rules a [`TaskWorker`](super::TaskWorker) follows, as plain data:
+//! The partition rules a task worker (in `flotilla-actors`) follows, as plain data:
 //! events in, verdicts out, tested without actors or a broker.
 //!
 //! The first rule here is the one an ack-all depends on. An ordered partition commits
@@ -14,22 +14,22 @@
 //! ([`Suspects`]), so that a message that kills every node that runs it is
 //! dead-lettered instead of taking the cluster down node by node.
 
-use crate::retry::RetryPolicy;
-use flotilla_transport::broker::AckKind;
+use super::AckKind;
+use crate::backoff::RetryPolicy;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tokio::time::Instant;
+use std::time::Instant;
 
 /// Ordered inputs: the consumer's delivery numbering as this worker has seen it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DeliverySequence {
+pub struct DeliverySequence {
     /// The consumer sequence of the last delivery seen, if known.
     last: Option<u64>,
 }
 
 /// How a delivery fits the sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Arrival {
+pub enum Arrival {
     /// It follows the previous delivery: nothing was missed.
     Next,
     /// Deliveries between the previous one and this one never arrived (or this one is
@@ -47,13 +47,13 @@ impl DeliverySequence {
     /// A sequence whose last delivery was `last` (`Some(0)` for a consumer that has
     /// delivered nothing yet, as after a reset). `None` when the caller does not know:
     /// the first delivery then sets it.
-    pub(crate) fn after(last: Option<u64>) -> Self {
+    pub fn after(last: Option<u64>) -> Self {
         Self { last }
     }
 
     /// A delivery with consumer sequence `consumer_seq` arrived. After a gap the
     /// sequence stays where it was: every later delivery is a gap too.
-    pub(crate) fn arrive(&mut self, consumer_seq: u64) -> Arrival {
+    pub fn arrive(&mut self, consumer_seq: u64) -> Arrival {
         match self.last {
             Some(last) if consumer_seq != last.saturating_add(1) => {
                 Arrival::Gap { expected: last.saturating_add(1), got: consumer_seq }
@@ -70,7 +70,7 @@ impl DeliverySequence {
 /// ack-all of the contiguous completed prefix) and keep their order through retries;
 /// queue inputs acknowledge, nak and terminate each message on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Discipline {
+pub enum Discipline {
     /// An ordered partition.
     Ordered,
     /// A queue input.
@@ -79,7 +79,7 @@ pub(crate) enum Discipline {
 
 /// What follows a failed attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum AfterFailure {
+pub enum AfterFailure {
     /// Try again here after this delay; the partition waits (its order is kept).
     RetryInPlace(Duration),
     /// Give it back with this delay; any node may take it then.
@@ -90,7 +90,7 @@ pub(crate) enum AfterFailure {
 
 impl Discipline {
     /// After attempt number `attempt` failed, under `policy`.
-    pub(crate) fn after_failure(self, attempt: u32, policy: &RetryPolicy) -> AfterFailure {
+    pub fn after_failure(self, attempt: u32, policy: &RetryPolicy) -> AfterFailure {
         if policy.exhausted(attempt) {
             return AfterFailure::DeadLetter;
         }
@@ -107,7 +107,7 @@ impl Discipline {
     /// partition next resets its consumer at the committed position and gets it as a
     /// first delivery (a nak would count a delivery, and a stale nak could reach the
     /// reset consumer).
-    pub(crate) fn release(self) -> Option<AckKind> {
+    pub fn release(self) -> Option<AckKind> {
         match self {
             Discipline::Ordered => None,
             Discipline::Queue => Some(AckKind::Nak(None)),
@@ -117,7 +117,7 @@ impl Discipline {
     /// What finishes a message once its dead letter is stored: an ordered one is
     /// skipped (it completes, and the next commit covers it in order); a queue one is
     /// terminated (never redelivered).
-    pub(crate) fn after_dead_letter(self) -> Option<AckKind> {
+    pub fn after_dead_letter(self) -> Option<AckKind> {
         match self {
             Discipline::Ordered => None,
             Discipline::Queue => Some(AckKind::Term),
@@ -125,8 +125,12 @@ impl Discipline {
     }
 }
 
+/// Hand-backs a queue message may have beyond its attempts before the server stops
+/// delivering it (the consumer's max deliveries is attempts + 1 + this).
+pub const RELEASE_ALLOWANCE: u32 = 20;
+
 /// The longest a parked key's message that could not be set aside waits to come again.
-pub(crate) const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
+pub const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
 
 /// Queue inputs: how long a parked key's message that could not be set aside (the
 /// PARKED stream refused it) waits before it comes again, after its `delivered`-th
@@ -136,7 +140,7 @@ pub(crate) const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
 /// handed back at once, a message spent them all in about a second of refused writes;
 /// at this pace the hand-backs last half an hour at least. The key is parked, so the
 /// message was not going to run meanwhile anyway.
-pub(crate) fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
+pub fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
     let doublings = delivered.saturating_sub(1).min(11) as u32;
     let base = Duration::from_millis(200).saturating_mul(1 << doublings).min(PARK_RETRY_CAP);
     base.mul_f64(jitter.clamp(0.5, 1.5))
@@ -149,20 +153,20 @@ pub(crate) fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
 /// messages matters: committing at half a window halved the claims too (the container
 /// claims what commits free) and so doubled pull requests and ack-alls, 0.75x of the
 /// raw loop's rate against 0.83x (BENCHMARKS.md).
-pub(crate) fn commit_due(uncommitted: u64, idle: bool, window: u32) -> bool {
+pub fn commit_due(uncommitted: u64, idle: bool, window: u32) -> bool {
     uncommitted > 0 && (idle || uncommitted >= u64::from(window).max(1))
 }
 
 /// Whether a message held since `since` needs an in-progress ack (`+WPI`) at `now`, so
 /// that the broker does not redeliver it: every third of `ack_wait`.
-pub(crate) fn progress_due(since: Instant, now: Instant, ack_wait: Duration) -> bool {
+pub fn progress_due(since: Instant, now: Instant, ack_wait: Duration) -> bool {
     now.saturating_duration_since(since) >= ack_wait / 3
 }
 
 /// Ordered inputs: which of its partition's deliveries a worker takes, and how far it
 /// has committed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Intake {
+pub struct Intake {
     sequence: DeliverySequence,
     /// The highest stream sequence delivered to this worker. A partition delivers first
     /// deliveries in ascending order, so anything at or below it (or at or below the
@@ -174,7 +178,7 @@ pub(crate) struct Intake {
 
 /// What to do with one delivery of an ordered partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Admission {
+pub enum Admission {
     /// A first delivery, in sequence: take it.
     Take,
     /// A redelivery of a message this worker holds or committed: drop it.
@@ -192,12 +196,12 @@ pub(crate) enum Admission {
 impl Intake {
     /// A worker whose partition consumer's last delivery before it was
     /// `delivered_consumer_seq` (see [`DeliverySequence::after`]).
-    pub(crate) fn after(delivered_consumer_seq: Option<u64>) -> Self {
+    pub fn after(delivered_consumer_seq: Option<u64>) -> Self {
         Self { sequence: DeliverySequence::after(delivered_consumer_seq), max_seen: 0, committed: 0 }
     }
 
     /// A delivery of the message at `stream_seq`, numbered `consumer_seq` by the consumer.
-    pub(crate) fn admit(&mut self, stream_seq: u64, consumer_seq: u64) -> Admission {
+    pub fn admit(&mut self, stream_seq: u64, consumer_seq: u64) -> Admission {
         // Every delivery takes a number, redeliveries too: check the number first.
         if let Arrival::Gap { expected, got } = self.sequence.arrive(consumer_seq) {
             return Admission::Lost { expected, got };
@@ -210,12 +214,12 @@ impl Intake {
     }
 
     /// An ack-all of `stream_seq` was sent.
-    pub(crate) fn committed_to(&mut self, stream_seq: u64) {
+    pub fn committed_to(&mut self, stream_seq: u64) {
         self.committed = self.committed.max(stream_seq);
     }
 
     /// The highest stream sequence committed.
-    pub(crate) fn committed(&self) -> u64 {
+    pub fn committed(&self) -> u64 {
         self.committed
     }
 }
@@ -243,12 +247,12 @@ pub struct SuspectRecord {
 /// a kill, a lost lease): its owner stores that, and frees the node's suspect lane for
 /// the next. What its owner sees it do itself (a callback past `callback_timeout`, a
 /// fatal error) still counts, at any time.
-pub(crate) const SUSPECT_WINDOW: Duration = Duration::from_secs(10);
+pub const SUSPECT_WINDOW: Duration = Duration::from_secs(10);
 
 /// Ordered inputs, after a take-over that found the previous owner's work unfinished:
 /// which messages are suspects and what to do before and after each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Suspects {
+pub struct Suspects {
     /// The last stream sequence delivered to the previous owner.
     up_to: u64,
     /// Starts without finishing after which a message is quarantined.
@@ -257,7 +261,7 @@ pub(crate) struct Suspects {
 
 /// What to do before starting a suspect.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum SuspectVerdict {
+pub enum SuspectVerdict {
     /// Store this record (the suspect counted once more), then start it.
     Start(SuspectRecord),
     /// It ended its owners this many times: dead-letter it as `crash-loop`.
@@ -269,17 +273,17 @@ pub(crate) enum SuspectVerdict {
 
 impl Suspects {
     /// Suspects up to stream sequence `up_to`, quarantined after `limit` starts.
-    pub(crate) fn new(up_to: u64, limit: u32) -> Self {
+    pub fn new(up_to: u64, limit: u32) -> Self {
         Self { up_to, limit: limit.max(1) }
     }
 
     /// Whether the message at `seq` is a suspect.
-    pub(crate) fn covers(&self, seq: u64) -> bool {
+    pub fn covers(&self, seq: u64) -> bool {
         seq <= self.up_to
     }
 
     /// Before starting `seq`, with the record as stored and the committed position.
-    pub(crate) fn judge(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectVerdict {
+    pub fn judge(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectVerdict {
         record.started.retain(|s, _| *s > committed);
         let starts = record.started.get(&seq).copied().unwrap_or(0);
         if starts >= self.limit {
@@ -290,14 +294,14 @@ impl Suspects {
     }
 
     /// After `seq` finished (processed, or dead-lettered): the record without it.
-    pub(crate) fn finish(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+    pub fn finish(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
         record.started.retain(|s, _| *s > committed && *s != seq);
         record
     }
 
     /// `seq` ran for [`SUSPECT_WINDOW`] and its owner lives: this start is taken back (the
     /// earlier owners' are kept), so an end of the owner from now on is not blamed on it.
-    pub(crate) fn outlived(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+    pub fn outlived(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
         record.started.retain(|s, _| *s > committed);
         if let Some(n) = record.started.get_mut(&seq) {
             *n = n.saturating_sub(1);
@@ -310,7 +314,7 @@ impl Suspects {
 
     /// `seq`, past its window, ended its owner in sight (its callback timed out, or it
     /// failed the task): counted again, as a start its owner did not survive.
-    pub(crate) fn ended_owner(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
+    pub fn ended_owner(&self, mut record: SuspectRecord, seq: u64, committed: u64) -> SuspectRecord {
         record.started.retain(|s, _| *s > committed);
         *record.started.entry(seq).or_default() += 1;
         record
@@ -468,7 +472,7 @@ mod tests {
         assert_eq!(park_retry_delay(40, 1.5), PARK_RETRY_CAP.mul_f64(1.5), "capped");
         assert_eq!(park_retry_delay(u64::MAX, 9.0), PARK_RETRY_CAP.mul_f64(1.5), "jitter clamped");
         // The least a message's hand-backs last, every jitter at its lowest.
-        let least: Duration = (1..=u64::from(super::super::RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.5)).sum();
+        let least: Duration = (1..=u64::from(RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.5)).sum();
         assert!(least >= Duration::from_secs(25 * 60), "the allowance lasts only {least:?}");
     }
 
