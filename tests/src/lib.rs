@@ -14,6 +14,7 @@
 
 pub mod fault_proxy;
 pub mod relay_cluster;
+pub mod safety;
 pub mod webdriver;
 
 use std::io::{Read, Write};

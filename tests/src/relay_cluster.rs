@@ -251,7 +251,7 @@ impl RelayCluster {
             if fair && stable_since.elapsed() >= Duration::from_secs(2) {
                 return owners;
             }
-            assert!(
+            crate::liveness!(
                 start.elapsed() < within,
                 "partitions not shared fairly by {nodes:?} within {within:?}: {owners:?}{}",
                 self.all_logs()
@@ -269,7 +269,7 @@ impl RelayCluster {
             if partitions.iter().all(|p| owners.get(p).is_some_and(|(o, _)| o != node)) {
                 return start.elapsed();
             }
-            assert!(
+            crate::liveness!(
                 start.elapsed() < within,
                 "partitions {partitions:?} still held by {node} after {within:?}: {owners:?}{}",
                 self.all_logs()
@@ -282,7 +282,11 @@ impl RelayCluster {
     pub async fn wait_log(&self, id: &str, text: &str, within: Duration) {
         let start = Instant::now();
         while !self.log_text(id).contains(text) {
-            assert!(start.elapsed() < within, "node {id} never logged {text:?} within {within:?}{}", self.all_logs());
+            crate::liveness!(
+                start.elapsed() < within,
+                "node {id} never logged {text:?} within {within:?}{}",
+                self.all_logs()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -292,7 +296,7 @@ impl RelayCluster {
         let guard = self.nodes.get_mut(id).expect("known node");
         match guard.wait_timeout(within) {
             Some(status) => status,
-            None => panic!("node {id} did not exit within {within:?}{}", self.all_logs()),
+            None => panic!("LIVENESS: node {id} did not exit within {within:?}{}", self.all_logs()),
         }
     }
 
@@ -305,7 +309,7 @@ impl RelayCluster {
             if let Some(status) = guard.wait_timeout(Duration::from_millis(1)) {
                 return status;
             }
-            assert!(start.elapsed() < within, "node {id} did not exit within {within:?}{}", self.all_logs());
+            crate::liveness!(start.elapsed() < within, "node {id} did not exit within {within:?}{}", self.all_logs());
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -329,29 +333,57 @@ impl RelayCluster {
         (number_before(" records to relay-"), number_before(" redelivered records"))
     }
 
+    /// What of the input is not acknowledged yet: one line per consumer with messages
+    /// pending or unacknowledged (empty when all of it is done). The ordered input is
+    /// the job's (`relay-in`, `tally-in`): its partition consumers; with `queue`, the
+    /// `relay-jobs` workers' consumer.
+    pub async fn input_open(&self, queue: bool) -> Vec<String> {
+        let (stream, consumers): (String, Vec<String>) = if queue {
+            (QUEUE_IN.to_owned(), vec!["relay-jobs-workers".to_owned()])
+        } else {
+            let (job, input) = self.job;
+            (format!("FLOTILLA_{job}_{input}"), (0..PARTITIONS).map(|p| format!("{input}-p{p}")).collect())
+        };
+        let mut open = Vec::new();
+        for name in &consumers {
+            match self.broker.consumer_state(&stream, name).await {
+                Ok(s) if s.num_pending == 0 && s.num_ack_pending == 0 => {}
+                Ok(s) => open.push(format!("{name}: {} pending, {} unacked", s.num_pending, s.num_ack_pending)),
+                Err(e) => open.push(format!("{name}: {e}")),
+            }
+        }
+        open
+    }
+
+    /// Fails a test whose output still misses records after its wait (`what` says
+    /// which): a safety failure (records lost) when the input has acknowledged
+    /// everything, since outputs are stored before their input is acknowledged; a
+    /// liveness failure while the input still holds work. `queue` as for
+    /// [`input_open`](Self::input_open).
+    ///
+    /// # Panics
+    /// Always.
+    pub async fn fail_missing(&self, queue: bool, what: &str) -> ! {
+        let open = self.input_open(queue).await;
+        crate::safety!(
+            !open.is_empty(),
+            "{what}, though the input acknowledged everything: records lost{}",
+            self.all_logs()
+        );
+        panic!("LIVENESS: {what}; the input is not done: {open:?}{}", self.all_logs());
+    }
+
     /// Waits until the input (`relay-in`'s partition consumers, or with `queue` the
     /// `relay-jobs` workers' consumer) has delivered and had acknowledged everything:
     /// the work is done, including redeliveries of what a dead node held.
     pub async fn wait_input_acked(&self, queue: bool, within: Duration) {
-        let (stream, consumers): (&str, Vec<String>) = if queue {
-            (QUEUE_IN, vec!["relay-jobs-workers".to_owned()])
-        } else {
-            (IN, (0..PARTITIONS).map(|p| format!("relay-in-p{p}")).collect())
-        };
         let start = Instant::now();
         loop {
-            let mut open = Vec::new();
-            for name in &consumers {
-                match self.broker.consumer_state(stream, name).await {
-                    Ok(s) if s.num_pending == 0 && s.num_ack_pending == 0 => {}
-                    Ok(s) => open.push(format!("{name}: {} pending, {} unacked", s.num_pending, s.num_ack_pending)),
-                    Err(e) => open.push(format!("{name}: {e}")),
-                }
-            }
+            let open = self.input_open(queue).await;
             if open.is_empty() {
                 return;
             }
-            assert!(start.elapsed() < within, "{stream} not done after {within:?}: {open:?}{}", self.all_logs());
+            crate::liveness!(start.elapsed() < within, "input not done after {within:?}: {open:?}{}", self.all_logs());
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -363,6 +395,10 @@ impl RelayCluster {
 
     /// Waits until `stream` (an output: [`OUT`], [`QUEUE_OUT`]) holds records `0..n`;
     /// panics naming the first missing.
+    ///
+    /// Running out of time is a liveness or a safety failure as
+    /// [`fail_missing`](Self::fail_missing) decides; records missing once `n` are
+    /// stored (the count made up by duplicates) are a safety failure.
     pub async fn wait_all_in(&self, stream: &str, n: u64, within: Duration) {
         let start = Instant::now();
         loop {
@@ -370,12 +406,18 @@ impl RelayCluster {
             if stored >= n {
                 break;
             }
-            assert!(start.elapsed() < within, "{stream} has {stored} of {n} after {within:?}{}", self.all_logs());
+            if start.elapsed() >= within {
+                let ids = id_counts(&self.broker, stream).await;
+                let missing: Vec<u64> = (0..n).filter(|i| !ids.contains_key(i)).take(20).collect();
+                let what =
+                    format!("{stream} has {stored} of {n} records after {within:?} (first 20 missing: {missing:?})");
+                self.fail_missing(stream == QUEUE_OUT, &what).await;
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         let ids = id_counts(&self.broker, stream).await;
         let missing: Vec<u64> = (0..n).filter(|i| !ids.contains_key(i)).take(20).collect();
-        assert!(missing.is_empty(), "{stream} misses records (first 20): {missing:?}");
+        crate::safety!(missing.is_empty(), "{stream} misses records (first 20): {missing:?}{}", self.all_logs());
     }
 }
 

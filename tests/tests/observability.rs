@@ -5,8 +5,9 @@
 //! click). Screenshots go to `target/tmp/dashboard/`.
 
 use flotilla_tests::free_port;
-use flotilla_tests::relay_cluster::{Launch, RelayCluster, tail};
+use flotilla_tests::relay_cluster::{Launch, PARTITIONS, RelayCluster, record, tail};
 use flotilla_tests::webdriver::{Browser, WebDriverError};
+use flotilla_transport::wire::partition_for;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -94,7 +95,8 @@ fn scrape_until(url: &str, within: Duration, what: &str, check: impl Fn(&Scrape)
                 return s;
             }
             if Instant::now() > deadline {
-                panic!("{what} never held; last scrape:\n{}", tail(&body, 80));
+                let backlog: Vec<&str> = body.lines().filter(|l| l.starts_with("flotilla_backlog_messages")).collect();
+                panic!("{what} never held; last scrape:\n{}\nbacklog gauges:\n{}", tail(&body, 80), backlog.join("\n"));
             }
         } else if Instant::now() > deadline {
             panic!("{url} answered {status}: {body}");
@@ -103,12 +105,30 @@ fn scrape_until(url: &str, within: Duration, what: &str, check: impl Fn(&Scrape)
     }
 }
 
+/// `flotilla_backlog_messages` of relay-in, by partition.
+fn backlog(s: &Scrape) -> BTreeMap<String, f64> {
+    s.samples
+        .iter()
+        .filter(|(n, l, _)| n == "flotilla_backlog_messages" && l.get("stream").is_some_and(|x| x == "relay-in"))
+        .filter_map(|(_, l, v)| Some((l.get("partition")?.clone(), *v)))
+        .collect()
+}
+
+/// Whether relay-in's backlog gauges read `on3` for partition 3 and 0 for the other 7.
+fn backlog_is(on3: f64) -> impl Fn(&Scrape) -> bool {
+    move |s| {
+        let b = backlog(s);
+        b.len() == 8 && b.iter().all(|(p, v)| *v == if p == "3" { on3 } else { 0.0 })
+    }
+}
+
 fn http_launch(port: u16) -> Launch {
     Launch { args: vec!["--http".into(), format!("127.0.0.1:{port}")], ..Launch::default() }
 }
 
 /// One node with `--http`: 100 records, 2 of them poison (3 attempts each). The
-/// scrape's counts are exactly what the node did.
+/// scrape's counts are exactly what the node did, and its backlog gauges exactly what
+/// waits in each partition.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_are_scraped_and_count_exactly_what_the_node_did() {
     let mut c = RelayCluster::start(&[]).await;
@@ -204,6 +224,40 @@ async fn metrics_are_scraped_and_count_exactly_what_the_node_did() {
     let entries: serde_json::Value = serde_json::from_str(&body).expect("dlq JSON");
     assert_eq!(entries.as_array().map(Vec::len), Some(2), "{entries}");
     assert_eq!(entries[0]["reason"], "max-attempts");
+
+    // The backlog gauges say what waits: 0 everywhere once the work is done; with
+    // relay-in/3 paused and 7 records published to it, 7 there and 0 elsewhere; 0 again
+    // once it is resumed and has caught up. (Checked every 5 s: scraped until it holds.)
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let u = url.clone();
+    tokio::task::spawn_blocking(move || {
+        scrape_until(&u, Duration::from_secs(30), "a backlog of 0 everywhere", backlog_is(0.0))
+    })
+    .await
+    .expect("scrape");
+    let paused = c.relay_cmd(&["pause", "--stream", "relay-in", "--partition", "3"]);
+    assert!(paused.status.success(), "pause: {}", String::from_utf8_lossy(&paused.stderr));
+    // A claim already out when the pause lands may still deliver (claims wait 1 s).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let on3: Vec<u64> = (1000..2000).filter(|i| partition_for(&i.to_string(), PARTITIONS) == 3).take(7).collect();
+    for ack in c.broker.publish_batch(on3.iter().map(|i| record(*i)).collect()).await {
+        ack.expect("publish");
+    }
+    let u = url.clone();
+    let s = tokio::task::spawn_blocking(move || {
+        scrape_until(&u, Duration::from_secs(30), "a backlog of 7 on relay-in/3 and 0 elsewhere", backlog_is(7.0))
+    })
+    .await
+    .expect("scrape");
+    assert_eq!(backlog(&s).values().sum::<f64>(), 7.0, "{:?}", backlog(&s));
+    let resumed = c.relay_cmd(&["resume", "--stream", "relay-in", "--partition", "3"]);
+    assert!(resumed.status.success(), "resume: {}", String::from_utf8_lossy(&resumed.stderr));
+    flotilla_tests::wait_count(&c.broker, "FLOTILLA_relay_relay-out", 105, Duration::from_secs(30)).await;
+    tokio::task::spawn_blocking(move || {
+        scrape_until(&url, Duration::from_secs(30), "a backlog of 0 again once resumed", backlog_is(0.0))
+    })
+    .await
+    .expect("scrape");
 }
 
 /// A bad `--http` address is refused at start with what to fix.

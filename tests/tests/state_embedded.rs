@@ -190,3 +190,129 @@ async fn a_restore_that_cannot_read_the_changelog_holds_the_partition_and_report
     running.stop();
     running.wait().await.expect("stop");
 }
+
+const BALLOTS: StreamDef<Vote> = StreamDef::ordered("ballots", 1);
+const CHANGED: StreamDef<Total> = StreamDef::ordered("changed", 1);
+const UNREPORTED: StoreDef<String, ()> = StoreDef::new("unreported");
+
+/// Counts votes and reports, each window, the totals changed since the last report
+/// (`tally`'s rule): with every input applied once, a choice's totals only grow, so
+/// each `(choice, count)` is reported once. Counts the windows that reported something.
+struct Report {
+    reports: Rc<RefCell<u64>>,
+}
+
+impl Task for Report {
+    type Input = Vote;
+
+    async fn process(&mut self, vote: Vote, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        ctx.store(&COUNTS)?.update(vote.choice.clone(), |n| Some(n.unwrap_or(0) + 1))?;
+        ctx.store(&UNREPORTED)?.put(vote.choice, ())?;
+        Ok(())
+    }
+
+    async fn window(&mut self, ctx: &mut TaskContext) -> Result<(), TaskError> {
+        let changed: Vec<String> = ctx.store(&UNREPORTED)?.entries().into_iter().map(|(c, ())| c).collect();
+        if !changed.is_empty() {
+            *self.reports.borrow_mut() += 1;
+        }
+        for choice in changed {
+            let count = ctx.store(&COUNTS)?.get(&choice).unwrap_or(0);
+            ctx.send(&CHANGED, &choice.clone(), Total { choice: choice.clone(), count }).await?;
+            ctx.store(&UNREPORTED)?.delete(&choice);
+        }
+        Ok(())
+    }
+}
+
+/// Every message of `js_stream`: (message id, total).
+async fn all_totals(b: &SharedBroker, js_stream: &str) -> Vec<(String, Total)> {
+    let name = format!("reader-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
+    let spec =
+        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
+    b.ensure_consumer(js_stream, spec).await.expect("reader");
+    let mut out = Vec::new();
+    loop {
+        let got = b.claim(js_stream, &name, 1000, Duration::from_millis(50)).await.expect("claim");
+        if got.is_empty() {
+            break;
+        }
+        for d in got {
+            let id = d.headers.msg_id().unwrap_or_default().to_owned();
+            out.push((id, Codec::default().decode(&d.payload).expect("a total")));
+        }
+    }
+    b.delete_consumer(js_stream, &name).await.expect("delete reader");
+    out
+}
+
+/// A window's outputs are stored, then the commit of its store changes fails, as a
+/// crash between the two would leave it (here: someone else wrote the partition's
+/// commit record meanwhile). The partition restarts from its last commit, at the same
+/// position, and runs the window again on the same state: its outputs must carry the
+/// same ids, so the output stream holds each total once, not twice. Counts every
+/// message of the stream, not only the last total per choice.
+#[actix_rt::test]
+async fn a_window_run_again_at_the_same_position_after_a_restore_reports_each_total_once() {
+    tokio::time::pause();
+    let b = EmbeddedBroker::new().shared();
+    let mut events = b.subscribe("flotilla.w._evt.>", None).await.expect("events");
+    let reports: Rc<RefCell<u64>> = Rc::default();
+    let r = reports.clone();
+    let running = Job::new("w")
+        .task(BALLOTS, move |_| Report { reports: r.clone() })
+        .store(COUNTS)
+        .store(UNREPORTED)
+        .window_every(Duration::from_secs(10))
+        .on_failure(flotilla_actors::FailurePolicy::RestartTask)
+        .output(CHANGED)
+        .start(b.clone())
+        .await
+        .expect("start");
+    for (voter, choice) in ["red", "green", "red", "blue", "red", "green"].into_iter().enumerate() {
+        let payload = Codec::default().encode(&Vote { voter: voter as u64, choice: choice.into() }).expect("encode");
+        let msg = OutboundMessage::new("flotilla.w.ballots.0", payload)
+            .with_id(format!("ballot-{voter}"))
+            .with_header(headers::KEY, choice);
+        b.publish(msg).await.expect("publish");
+    }
+    // All six applied and committed (acknowledged) before the first window.
+    for _ in 0..500 {
+        let c = b.consumer_state("FLOTILLA_w_ballots", "ballots-p0").await.expect("consumer");
+        if c.ack_floor == 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let c = b.consumer_state("FLOTILLA_w_ballots", "ballots-p0").await.expect("consumer");
+    assert_eq!(c.ack_floor, 6, "the six votes are committed before the first window: {c:?}");
+    assert_eq!(*reports.borrow(), 0, "no window ran yet");
+    // Someone else writes the commit record (the same bytes, a new revision): the
+    // commit after the window fails, after the window's outputs are stored.
+    let bucket = "FLOTILLA_w_STATE";
+    let commit = b.kv_get(bucket, "ballots.0._commit").await.expect("kv").expect("a commit record");
+    b.kv_put(bucket, "ballots.0._commit", commit.value).await.expect("rewrite the commit record");
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let mut restored = 0;
+    while let Ok(Some(ev)) =
+        tokio::time::timeout(Duration::from_millis(10), futures::StreamExt::next(&mut events)).await
+    {
+        let v: serde_json::Value = serde_json::from_slice(&ev.payload).expect("json");
+        restored += usize::from(v["type"] == "state_restored");
+    }
+    assert_eq!(restored, 2, "the partition was restored at start and again after the failed commit");
+    assert_eq!(*reports.borrow(), 2, "the window reported the same changes before and after the restore");
+    let totals = all_totals(&b, "FLOTILLA_w_changed").await;
+    let mut seen: BTreeMap<(String, u64), Vec<String>> = BTreeMap::new();
+    for (id, t) in &totals {
+        seen.entry((t.choice.clone(), t.count)).or_default().push(id.clone());
+    }
+    let want: BTreeMap<(String, u64), usize> = [(("blue", 1), 1), (("green", 2), 1), (("red", 3), 1)]
+        .into_iter()
+        .map(|((c, n), k)| ((c.to_owned(), n), k))
+        .collect();
+    let got: BTreeMap<(String, u64), usize> = seen.iter().map(|(k, ids)| (k.clone(), ids.len())).collect();
+    assert_eq!(got, want, "each total once in the output stream; ids: {seen:?}");
+    running.stop();
+    running.wait().await.expect("stop");
+}

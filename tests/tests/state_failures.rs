@@ -6,7 +6,7 @@
 //! before the earlier one; a value too large for the changelog is refused at `put`.
 //!
 //! Every assertion here is a safety assertion (a count applied twice, a record lost or
-//! never dead-lettered), except those that say "liveness" (something did not happen in
+//! never dead-lettered), except those that say "LIVENESS" (something did not happen in
 //! time).
 
 use flotilla_actors::{Job, RetryPolicy, StoreDef, StoreError, StreamDef, Task, TaskContext, TaskError};
@@ -172,7 +172,7 @@ async fn wait_until(what: &str, within: Duration, mut done: impl AsyncFnMut() ->
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("liveness: {what} did not happen within {within:?}");
+    panic!("LIVENESS: {what} did not happen within {within:?}");
 }
 
 /// The `state_restored` events seen so far.
@@ -218,12 +218,12 @@ async fn a_record_whose_deferred_work_fails_is_retried_in_place_and_dead_lettere
     assert_eq!(
         dlq,
         vec![("max-attempts".to_owned(), "3".to_owned()), ("too-large".to_owned(), "1".to_owned())],
-        "safety: the poison vote is dead-lettered after its 3 attempts, the vote with a too-large output at once"
+        "SAFETY: the poison vote is dead-lettered after its 3 attempts, the vote with a too-large output at once"
     );
     assert_eq!(
         last_totals(&b).await,
         map(&[("all", 5), ("blue", 1), ("flaky-x", 1), ("green", 1), ("red", 2)]),
-        "safety: a failed attempt's store changes are undone; the flaky vote counts once, poison and big not at all"
+        "SAFETY: a failed attempt's store changes are undone; the flaky vote counts once, poison and big not at all"
     );
     assert_eq!(seen.failed.get(), 4, "the flaky vote failed once, the poison vote 3 times");
     assert_eq!(restores(&events), 1, "no record forced a restore of the partition (only its start restored)");
@@ -259,9 +259,9 @@ async fn a_record_whose_changes_cannot_be_undone_alone_forces_counted_restores_t
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let dlq = dead_letters(&b).await;
-    assert_eq!(dlq.len(), 1, "safety: the poison vote is dead-lettered once: {dlq:?}");
-    assert_eq!(dlq[0].0, "max-attempts", "safety: its attempts are counted across restores: {dlq:?}");
-    assert_eq!(last_totals(&b).await, want, "safety: every other vote counted exactly once across the restores");
+    assert_eq!(dlq.len(), 1, "SAFETY: the poison vote is dead-lettered once: {dlq:?}");
+    assert_eq!(dlq[0].0, "max-attempts", "SAFETY: its attempts are counted across restores: {dlq:?}");
+    assert_eq!(last_totals(&b).await, want, "SAFETY: every other vote counted exactly once across the restores");
     let restored = restores(&events);
     assert!(
         (2..=6).contains(&restored),
@@ -298,7 +298,7 @@ async fn a_stop_during_a_retry_back_off_never_commits_a_later_records_changes_be
     assert_eq!(
         last_totals(&b).await,
         map(&[("all", 2), ("second", 1), ("unavailable-1", 1)]),
-        "safety: each record applied once (record 2 was counted twice when its changes were committed before record 1)"
+        "SAFETY: each record applied once (record 2 was counted twice when its changes were committed before record 1)"
     );
     running.stop();
     running.wait().await.expect("stop");
@@ -324,9 +324,9 @@ async fn a_value_too_large_for_the_changelog_is_refused_at_put_and_dead_lettered
     assert_eq!(
         dead_letters(&b).await,
         vec![("too-large".to_owned(), "1".to_owned()); 2],
-        "safety: a vote whose value cannot be stored is dead-lettered at once"
+        "SAFETY: a vote whose value cannot be stored is dead-lettered at once"
     );
-    assert_eq!(last_totals(&b).await, map(&[("all", 2), ("red", 2)]), "safety: its other changes are undone");
+    assert_eq!(last_totals(&b).await, map(&[("all", 2), ("red", 2)]), "SAFETY: its other changes are undone");
     running.stop();
     running.wait().await.expect("the job stops cleanly: no commit failed");
 }

@@ -83,10 +83,23 @@ async fn connect(server: &NatsServer) -> SharedBroker {
     JetStreamBroker::connect(JetStreamOptions::new(server.url())).await.expect("connect to test nats-server").shared()
 }
 
-#[test]
-fn embedded_and_jetstream_report_their_kind() {
-    use flotilla_transport::broker::BrokerKind;
-    assert_eq!(flotilla_transport::Broker::server(&EmbeddedBroker::new()).kind, BrokerKind::Embedded);
+/// Each backend says what it is; a JetStream broker also reports the version and
+/// payload limit of the server it is connected to, as the server's `/varz` gives them
+/// (features are gated on that version).
+#[tokio::test]
+async fn embedded_and_jetstream_report_their_kind() {
+    use flotilla_transport::broker::{BrokerKind, Version};
+    let embedded = flotilla_transport::Broker::server(&EmbeddedBroker::new());
+    assert_eq!((embedded.kind, embedded.name.as_str()), (BrokerKind::Embedded, "embedded"));
+    let server = NatsServer::start();
+    let varz = server.monitor("/varz").expect("the server's /varz");
+    let varz: serde_json::Value = serde_json::from_str(&varz).expect("/varz is JSON");
+    let info = connect(&server).await.server();
+    assert_eq!(info.kind, BrokerKind::JetStream, "a broker connected to nats-server: {info:?}");
+    let version = varz["version"].as_str().and_then(Version::parse);
+    assert_eq!(Some(info.version), version, "the version /varz reports: {varz}");
+    assert_eq!(Some(info.max_payload as u64), varz["max_payload"].as_u64(), "the payload limit /varz reports");
+    assert_eq!(Some(info.name.as_str()), varz["server_name"].as_str(), "the server's name");
 }
 
 mod cases {

@@ -497,7 +497,13 @@ impl<T: Task> TaskWorker<T> {
         let partition = self.binding.partition?;
         let position = self.applied_through;
         let n = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
-        self.hook_at = (position, n + 1);
+        // `init` runs after every restore, where the run before the restore ran none:
+        // numbered like the others, it would shift every later hook at this position
+        // by one, and a window run again on the same state would store its outputs
+        // again under new ids. It takes a number only once it changed state (hook_done).
+        if kind != HookKind::Init {
+            self.hook_at = (position, n + 1);
+        }
         let base =
             MessageId::from_wire(format!("hook/{}/{partition}/{}/{position}", self.binding.stream, kind.label()));
         Some(base.derive_output(n))
@@ -1671,7 +1677,14 @@ impl<T: Task> TaskWorker<T> {
     /// A hook ran and its outputs are stored.
     fn hook_done(&mut self, kind: HookKind, ctx: &mut Context<Self>) {
         match kind {
-            HookKind::Init => self.commit_hook_changes(),
+            HookKind::Init => {
+                if self.hook_at.0 == self.applied_through
+                    && self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes())
+                {
+                    self.hook_at.1 += 1;
+                }
+                self.commit_hook_changes();
+            }
             HookKind::Window => {
                 self.state.window_done();
                 self.commit_hook_changes();
