@@ -10,7 +10,7 @@
 //! id — within the target stream's duplicate window (2 minutes). A replay interrupted
 //! there and run again later than that sends the entry a second time.
 
-use crate::control::ControlError;
+use crate::client::ControlError;
 use flotilla_actors::StreamType;
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StoredMessage};
 use flotilla_transport::clock::unix_millis;
@@ -504,7 +504,7 @@ pub async fn run(broker: SharedBroker, job: &str, command: DlqCommand, types: &[
             dlq.purge(&ids, all, stream.as_deref(), reason.as_deref(), true).await.map(drop)
         }
     };
-    crate::control::exit_code(result)
+    crate::client::exit_code(result)
 }
 
 fn print_list(entries: &[DeadLetterEntry], json: bool) {

@@ -28,9 +28,9 @@ pub fn output_failed(e: std::io::Error) -> ! {
     eprintln!("error: cannot write the output: {e}");
     std::process::exit(1);
 }
+pub mod client;
 pub mod config;
 pub mod connect;
-pub mod control;
 pub mod dlq;
 pub mod http;
 #[cfg(feature = "otlp")]
@@ -39,5 +39,7 @@ pub mod publish;
 pub mod runner;
 pub mod top;
 
-pub use control::{ControlClient, ControlCommand};
+/// The control client under its first name: `flotilla_node::control::…` paths keep working.
+pub use client as control;
+pub use client::{ControlClient, ControlCommand};
 pub use runner::{JobRunner, NodeArgs, NodeError, NodeHandle, run};

@@ -11,7 +11,7 @@
 //! or, for `flotilla`, from the stream on the server; a partition the stream does not
 //! have is refused before anything is sent.
 
-use crate::control::ControlError;
+use crate::client::ControlError;
 use flotilla_actors::cluster::{TopologyRecord, keys};
 use flotilla_actors::membership::Buckets;
 use flotilla_actors::store::{hex, unhex};

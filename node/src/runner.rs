@@ -6,9 +6,9 @@
 //! SIGTERM or SIGINT stops the job gracefully (in-flight work finishes, unstarted work
 //! is handed back, positions are committed); a second one exits at once.
 
+use crate::client::ControlCommand;
 use crate::config::{ConfigError, ConnectConfig, NodeConfig, Urls};
 use crate::connect::{BrokerChoice, connect};
-use crate::control::ControlCommand;
 use flotilla_actors::{Job, JobError, JobStopper, Producer, StreamType};
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use std::future::Future;
@@ -542,7 +542,7 @@ pub fn control(args: &NodeArgs, job: &str, command: ControlCommand) -> i32 {
 /// As [`control`], in a binary that knows the job's stream types.
 pub fn control_typed(args: &NodeArgs, job: &str, command: ControlCommand, types: &[StreamType]) -> i32 {
     with_nats(args, "control commands", move |broker, _| async move {
-        crate::control::run_command_typed(broker, job, command, types).await
+        crate::client::run_command_typed(broker, job, command, types).await
     })
 }
 
@@ -550,7 +550,7 @@ pub fn control_typed(args: &NodeArgs, job: &str, command: ControlCommand, types:
 /// [`crate::publish`]); returns the exit code (0 sent, 1 broker failure, 2 bad input).
 pub fn publish(args: &NodeArgs, job: &str, publish: &crate::publish::PublishArgs, types: &[StreamType]) -> i32 {
     with_nats(args, "publish", move |broker, replicas| async move {
-        crate::control::exit_code(crate::publish::publish(&broker, job, publish, types, replicas).await.map(drop))
+        crate::client::exit_code(crate::publish::publish(&broker, job, publish, types, replicas).await.map(drop))
     })
 }
 

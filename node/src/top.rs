@@ -3,7 +3,7 @@
 //! every partition with its owner, backlog, age and rate, the DLQ, drains and what
 //! moved since the last screen.
 
-use crate::control::{ClusterStatus, ControlClient, ControlError};
+use crate::client::{ClusterStatus, ControlClient, ControlError};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::IsTerminal;
@@ -32,11 +32,11 @@ pub fn render(status: &ClusterStatus, previous: Option<(&ClusterStatus, Duration
     let mut out = String::new();
     let owned = status.partitions.iter().filter(|p| p.owner.is_some()).count();
     let backlog: u64 = status.partitions.iter().map(|p| p.backlog).sum();
-    let before: BTreeMap<String, &crate::control::PartitionStatus> = previous
+    let before: BTreeMap<String, &crate::client::PartitionStatus> = previous
         .map(|(s, _)| s.partitions.iter().map(|p| (key(&p.stream, p.partition), p)).collect())
         .unwrap_or_default();
     let secs = previous.map_or(0.0, |(_, d)| d.as_secs_f64());
-    let rate = |p: &crate::control::PartitionStatus| -> Option<f64> {
+    let rate = |p: &crate::client::PartitionStatus| -> Option<f64> {
         let old = before.get(&key(&p.stream, p.partition))?;
         (secs > 0.0 && old.owner == p.owner && p.deliveries >= old.deliveries)
             .then(|| (p.deliveries - old.deliveries) as f64 / secs)
@@ -172,7 +172,7 @@ pub async fn run(client: &ControlClient, interval: Duration, once: bool) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::control::PartitionStatus;
+    use crate::client::PartitionStatus;
     use flotilla_actors::cluster::{NodeStatus, PauseRecord};
 
     fn partition(p: u32, owner: Option<&str>, deliveries: u64, backlog: u64) -> PartitionStatus {

@@ -23,7 +23,7 @@
 pub mod guard;
 pub mod listen;
 
-use crate::control::{ControlClient, ControlError};
+use crate::client::{ControlClient, ControlError};
 use crate::dlq::{DeadLetters, Page};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderValue, StatusCode, header};

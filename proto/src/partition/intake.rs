@@ -136,7 +136,7 @@ pub const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
 /// PARKED stream refused it) waits before it comes again, after its `delivered`-th
 /// delivery: 200 ms doubling to [`PARK_RETRY_CAP`], times `jitter` (0.5 to 1.5). Each
 /// wait is a hand-back (no attempt), but one more delivery, and the consumer delivers a
-/// message at most attempts + 1 + [`RELEASE_ALLOWANCE`](super::RELEASE_ALLOWANCE) times:
+/// message at most attempts + 1 + [`RELEASE_ALLOWANCE`] times:
 /// handed back at once, a message spent them all in about a second of refused writes;
 /// at this pace the hand-backs last half an hour at least. The key is parked, so the
 /// message was not going to run meanwhile anyway.

@@ -1,0 +1,216 @@
+//! `drain` and `drain --cancel`, and the pending drain `status` shows.
+
+use super::{ControlClient, ControlError, json};
+use flotilla_actors::cluster::{
+    self, DrainedRecord, LeaseRecord, RequestRecord, RunRecord, TopologyRecord, keys, now_ms,
+};
+use flotilla_transport::broker::{BrokerError, OutboundMessage};
+use flotilla_transport::wire::{MessageId, StreamName, Subjects, headers};
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// A drain requested for the current run and not finished.
+#[derive(Debug, Clone, Serialize)]
+pub struct PendingDrain {
+    /// The run.
+    pub run_id: String,
+    /// When it was requested (ms since the Unix epoch).
+    pub issued_ms: u64,
+    /// Partitions drained so far.
+    pub drained: usize,
+    /// Ordered partitions in all.
+    pub partitions: usize,
+}
+
+impl ControlClient {
+    /// The drain of `run` when one was requested and not every partition finished it.
+    pub(super) async fn pending_drain(
+        &self,
+        run: &str,
+        topology: &TopologyRecord,
+    ) -> Result<Option<PendingDrain>, ControlError> {
+        let Some(entry) = self.broker.kv_get(&self.buckets.control, keys::DRAIN).await? else { return Ok(None) };
+        let Ok(record) = serde_json::from_slice::<RequestRecord>(&entry.value) else { return Ok(None) };
+        if record.run_id != run {
+            return Ok(None);
+        }
+        let parts = topology.partitions();
+        let mut drained = 0;
+        for (stream, p) in &parts {
+            let drained_here = match self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await? {
+                Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                None => false,
+            };
+            // An ended partition never reaches a drain marker: it counts as done.
+            let ended_here = match self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await? {
+                Some(e) => serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                None => false,
+            };
+            if drained_here || ended_here {
+                drained += 1;
+            }
+        }
+        Ok((drained < parts.len()).then(|| PendingDrain {
+            run_id: run.to_owned(),
+            issued_ms: record.issued_ms,
+            drained,
+            partitions: parts.len(),
+        }))
+    }
+
+    /// Cancels the current run's pending drain: a new run begins (its id in the CONTROL
+    /// bucket), so nodes that start from now on pass the old run's markers and take the
+    /// drained partitions up again; nodes still running in the old run keep draining
+    /// until they are restarted. Returns what happened, for people.
+    ///
+    /// # Errors
+    /// Broker failures; [`ControlError::Incomplete`] when the run changed meanwhile.
+    pub async fn cancel_drain(&self) -> Result<String, ControlError> {
+        let Some(entry) = self.broker.kv_get(&self.buckets.control, keys::RUN).await? else {
+            return Ok("no drain is pending: the job has no run yet".into());
+        };
+        let current = serde_json::from_slice::<RunRecord>(&entry.value)
+            .map_err(|e| ControlError::Refused(format!("the job's run record does not parse: {e}")))?;
+        let topology = self.topology().await?;
+        if self.pending_drain(&current.run_id, &topology).await?.is_none() {
+            return Ok(format!("no drain is pending for run {}: nothing was changed", current.run_id));
+        }
+        let fresh = RunRecord { run_id: MessageId::new_v7().to_string(), started_ms: now_ms() };
+        match self.broker.kv_update(&self.buckets.control, keys::RUN, json(&fresh), entry.revision).await {
+            Ok(_) => {}
+            Err(BrokerError::KvWrongRevision { .. }) => {
+                return Err(ControlError::Incomplete(
+                    "the run changed while cancelling (a node began a new one): check `status` and try again".into(),
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        // The drain record stays: it names the old run, so nodes of the new run ignore it
+        // and nodes still in the old run keep draining as they were asked.
+        let live = self.members().await?.len();
+        Ok(format!(
+            "drain of run {} cancelled: run {} begins, and nodes started from now on pass the old markers{}",
+            current.run_id,
+            fresh.run_id,
+            if live > 0 {
+                format!(
+                    "; the {live} node(s) still running keep draining run {}: restart them (`stop --node ID`, then start) to join the new run",
+                    current.run_id
+                )
+            } else {
+                String::new()
+            }
+        ))
+    }
+
+    /// Appends a drain marker to every ordered partition, then waits until each
+    /// partition has processed everything before it (or the deadline passes).
+    ///
+    /// # Errors
+    /// [`ControlError::Refused`] for a stale run, [`ControlError::Incomplete`] naming the
+    /// partitions still short of their marker at the deadline.
+    pub async fn drain(&self, run: Option<String>, deadline: Duration, progress: bool) -> Result<(), ControlError> {
+        let current = self.run_id().await?.ok_or_else(|| ControlError::Refused("the job has no run yet".into()))?;
+        if let Some(r) = &run
+            && *r != current
+        {
+            return Err(ControlError::Refused(format!(
+                "stale run id {r}: the current run is {current}; nothing was changed"
+            )));
+        }
+        let topology = self.topology().await?;
+        let parts = topology.partitions();
+        if parts.is_empty() {
+            return Err(ControlError::Refused(format!(
+                "job {} has no ordered inputs: drain markers only apply to ordered partitions (use shutdown for queue inputs)",
+                self.job
+            )));
+        }
+        let mut request = self.request();
+        request.run_id = Some(current.clone());
+        let record =
+            RequestRecord { request_id: request.request_id.clone(), run_id: current.clone(), issued_ms: now_ms() };
+        self.broker.kv_put(&self.buckets.control, keys::DRAIN, json(&record)).await?;
+        let mut markers = BTreeMap::new();
+        for (stream, p) in &parts {
+            let name = StreamName::new(stream.clone()).map_err(|e| ControlError::Refused(e.to_string()))?;
+            let msg = OutboundMessage::new(self.subjects.ordered_partition(&name, *p), bytes::Bytes::new())
+                .with_id(format!("drain-{current}-{stream}-{p}"))
+                .with_header(headers::KIND, "drain")
+                .with_header(headers::RUN, current.clone());
+            let ack = self.broker.publish(msg).await?;
+            markers.insert((stream.clone(), *p), ack.seq);
+        }
+        if progress {
+            crate::outln!(
+                "drain: markers of run {current} appended to {} partitions; waiting (deadline {deadline:?})",
+                parts.len()
+            );
+        }
+        let _ = self.broadcast("drain", &request).await;
+        let started = Instant::now();
+        let mut last_done = usize::MAX;
+        loop {
+            let mut done = BTreeSet::new();
+            for (stream, p) in &parts {
+                if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
+                    && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                {
+                    done.insert((stream.clone(), *p));
+                } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
+                    && serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                {
+                    // Ended in this run: no marker will be reached there.
+                    done.insert((stream.clone(), *p));
+                }
+            }
+            if done.len() != last_done && progress {
+                last_done = done.len();
+                let waiting: Vec<String> =
+                    parts.iter().filter(|p| !done.contains(*p)).map(|(s, p)| format!("{s}/{p}")).collect();
+                crate::outln!(
+                    "drain: {}/{} partitions drained ({:.1}s){}",
+                    done.len(),
+                    parts.len(),
+                    started.elapsed().as_secs_f64(),
+                    if waiting.is_empty() { String::new() } else { format!("; waiting for {}", waiting.join(" ")) }
+                );
+            }
+            if done.len() == parts.len() {
+                if progress {
+                    crate::outln!("drain: done; every partition processed everything before its marker");
+                }
+                return Ok(());
+            }
+            if started.elapsed() >= deadline {
+                let mut stuck = Vec::new();
+                for (stream, p) in parts.iter().filter(|p| !done.contains(*p)) {
+                    let name = StreamName::new(stream.clone()).map_err(|e| ControlError::Refused(e.to_string()))?;
+                    let js = self.subjects.stream_name(&name);
+                    let floor = self
+                        .broker
+                        .consumer_state(&js, &Subjects::partition_consumer(&name, *p))
+                        .await
+                        .map(|c| c.ack_floor)
+                        .unwrap_or(0);
+                    let owner = match self.broker.kv_get(&self.buckets.leases, &keys::lease(stream, *p)).await? {
+                        Some(e) => serde_json::from_slice::<LeaseRecord>(&e.value).map(|l| l.node).unwrap_or_default(),
+                        None => "nobody".into(),
+                    };
+                    let marker = markers.get(&(stream.clone(), *p)).copied().unwrap_or(0);
+                    stuck.push(format!(
+                        "{stream}/{p} (held by {owner}; committed up to stream seq {floor}, marker at {marker})"
+                    ));
+                }
+                return Err(ControlError::Incomplete(format!(
+                    "drain deadline {deadline:?} passed with {} of {} partitions not drained: {}",
+                    stuck.len(),
+                    parts.len(),
+                    stuck.join(", ")
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
