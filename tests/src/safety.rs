@@ -99,7 +99,7 @@ pub fn violated(place: &str, message: &str) -> ! {
 }
 
 /// Asserts a safety invariant: when `cond` is false, records the violation for CI and
-/// panics with `SAFETY: <message>` (see the [module docs](crate::safety)).
+/// panics with `SAFETY: <message>` (see the [module docs](mod@crate::safety)).
 #[macro_export]
 macro_rules! safety {
     ($cond:expr, $($arg:tt)+) => {
