@@ -1,0 +1,177 @@
+//! Effects before acks: publishing a message's outputs (and store records) pipelined,
+//! what a refused publish costs, and acknowledging the committable positions.
+
+use super::*;
+
+impl<T: Task> TaskWorker<T> {
+    /// Queues outputs for publishing. Batches are sent one after the other, in the order
+    /// their callbacks finished, so outputs keep their order across messages; their
+    /// acks are awaited concurrently (publishes pipeline across messages).
+    pub(super) fn flush(&mut self, flush: Flush, ctx: &mut Context<Self>) {
+        if flush.msgs.is_empty() {
+            self.flushed(flush.target, ctx);
+            return;
+        }
+        self.flushes_in_flight += 1;
+        self.publish_queue.push_back(flush);
+        self.pump_publish(ctx);
+    }
+
+    pub(super) fn pump_publish(&mut self, ctx: &mut Context<Self>) {
+        if self.publishing || self.finished {
+            return;
+        }
+        if self.binding.fenced() {
+            self.abort_fenced(ctx);
+            return;
+        }
+        let Some(flush) = self.publish_queue.pop_front() else { return };
+        self.publishing = true;
+        let sent = Instant::now();
+        let queued = self.env.broker.publish_pipelined_batch(flush.msgs.clone());
+        ctx.spawn(queued.into_actor(self).map(move |queued, act, ctx| {
+            act.publishing = false;
+            act.pump_publish(ctx);
+            match queued {
+                Ok(stored) => {
+                    ctx.spawn(stored.into_actor(act).map(move |stored, act, ctx| {
+                        match stored {
+                            Ok(()) => {
+                                act.metrics.publish.record(sent.elapsed().as_secs_f64());
+                                act.metrics.published.increment(flush.msgs.len() as u64);
+                                act.flushes_in_flight = act.flushes_in_flight.saturating_sub(1);
+                                act.flushed(flush.target, ctx)
+                            }
+                            Err(err) => act.flush_failed(flush, err, ctx),
+                        }
+                        act.drive(ctx);
+                    }));
+                }
+                Err(err) => {
+                    act.flush_failed(flush, err, ctx);
+                    act.drive(ctx);
+                }
+            }
+        }));
+    }
+
+    /// Outputs could not be stored. Unreachable broker: publish the same messages (same
+    /// ids, so what was stored is deduplicated) again after a back-off, without counting
+    /// an attempt. Refused: a failed attempt of the message (or a failure of the hook).
+    pub(super) fn flush_failed(
+        &mut self,
+        mut flush: Flush,
+        err: flotilla_transport::BrokerError,
+        ctx: &mut Context<Self>,
+    ) {
+        let class = err.class();
+        if class == ErrorClass::Transient && flush.attempt < self.config.unavailable_retries {
+            flush.attempt += 1;
+            let delay = unavailable_backoff(flush.attempt);
+            warn!(stream = self.binding.stream, partition = self.binding.partition, error = %err, ?delay, "outputs not stored; publishing them again");
+            ctx.run_later(delay, move |act, ctx| {
+                act.publish_queue.push_front(flush);
+                act.pump_publish(ctx);
+            });
+            return;
+        }
+        self.flushes_in_flight = self.flushes_in_flight.saturating_sub(1);
+        if let FlushTarget::Message(order) = flush.target
+            && !self.undo_applied(order)
+        {
+            // Its store changes are tied to later ones: a retry would apply them twice.
+            self.restore_blaming(
+                order,
+                format!("outputs of a message not stored after its store changes were applied ({err})"),
+                ctx,
+            );
+            return;
+        }
+        match flush.target {
+            FlushTarget::Message(order) if matches!(class, ErrorClass::Permanent(_)) => {
+                // Publishing the same outputs again can never work.
+                let ErrorClass::Permanent(reason) = class else { return };
+                debug!(stream = self.binding.stream, partition = self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
+                self.dead_letter(order, reason, format!("output not stored: {err}"), ctx);
+            }
+            FlushTarget::Message(order) => {
+                if let Some(e) = self.inflight.get_mut(&order)
+                    && !e.counted
+                {
+                    e.counted = true;
+                    self.state.restart(order, Instant::now().into_std());
+                }
+                self.failed_attempt(order, format!("output not stored: {err}"), ctx);
+            }
+            FlushTarget::Hook(kind) => self.fail(format!("{}: output not stored: {err}", kind.label()), ctx),
+        }
+    }
+
+    pub(super) fn flushed(&mut self, target: FlushTarget, ctx: &mut Context<Self>) {
+        match target {
+            FlushTarget::Message(order) => self.effects_stored(order),
+            FlushTarget::Hook(kind) => self.hook_done(kind, ctx),
+        }
+    }
+
+    /// The message is processed and its outputs are stored.
+    pub(super) fn effects_stored(&mut self, order: u64) {
+        let Some(envelope) = self.inflight.remove(&order) else { return };
+        if envelope.applied
+            && let Some(d) = &self.durable
+        {
+            d.stores.borrow_mut().release(order);
+        }
+        self.suspect_finished(envelope.delivery.info.stream_seq);
+        if self.binding.ordered() {
+            self.state.effects_done(order);
+            self.maybe_request_commit();
+        } else {
+            self.claimed.remove(&order);
+            crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
+            self.ack(&envelope.delivery.token, AckKind::Ack);
+            self.state.effects_done(order);
+            self.completed(1);
+        }
+    }
+
+    pub(super) fn maybe_request_commit(&mut self) {
+        if !self.state.uncommitted() || self.state.commit_pending() {
+            return;
+        }
+        let idle = self.state.pending_len() == 0 && self.state.in_flight() == 0;
+        if core::commit_due(self.state.uncommitted_count(0), idle, self.config.window) {
+            self.state.request_commit();
+        }
+    }
+
+    /// Acknowledges everything up to `positions` (the state machine's committable
+    /// positions when the commit began).
+    pub(super) fn commit_positions(&mut self, positions: BTreeMap<u32, u64>) {
+        if self.binding.fenced() {
+            // Another node may own the partition now: acking here could skip its work.
+            return;
+        }
+        let mut count = 0;
+        if let Some(&pos) = positions.get(&0) {
+            let rest = self.claimed.split_off(&(pos + 1));
+            let done = std::mem::replace(&mut self.claimed, rest);
+            if self.binding.ordered() {
+                if let Some((_, last)) = done.iter().next_back() {
+                    crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
+                    self.ack(&last.token, AckKind::Ack);
+                    self.intake.committed_to(last.seq);
+                    self.last_commit = Some(last.token.clone());
+                }
+            } else {
+                // Queue data messages were acked one by one; what is left are markers.
+                for c in done.values() {
+                    self.ack(&c.token, AckKind::Ack);
+                }
+            }
+            count = done.len();
+        }
+        self.state.commit_done(positions);
+        self.completed(count);
+    }
+}

@@ -1,0 +1,339 @@
+//! Restoring a partition's stores from the changelog, and commits that persist store
+//! changes before the input position moves (DESIGN §5).
+
+use super::*;
+
+impl<T: Task> TaskWorker<T> {
+    /// Reads the partition's stores back from the changelog and claims it, then runs
+    /// `init`. Until then nothing is processed. A failure holds the partition (retried
+    /// with backoff, an event each time) and never starts it empty; a changelog that
+    /// does not decode (a type changed) fails the task, naming the store and key.
+    pub(super) fn restore(&mut self, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        let Some(partition) = self.binding.partition else { return };
+        let bucket = self.env.subjects.bucket_name(crate::store::STATE);
+        let prefix = format!("{}.{partition}", self.binding.stream);
+        let started = Instant::now();
+        let fut = changelog::restore(self.env.broker.clone(), bucket, prefix, self.binding.epoch);
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            if act.finished {
+                return;
+            }
+            match result {
+                Ok(restored) => act.restored(partition, restored, started, ctx),
+                Err(changelog::StateError::Corrupt(e)) => act.restore_failed(partition, e, ctx),
+                Err(e) => {
+                    let Some(d) = &mut act.durable else { return };
+                    d.restore_failures += 1;
+                    let delay = unavailable_backoff(d.restore_failures);
+                    warn!(stream = act.binding.stream, partition, error = %e, ?delay, "state not restored: holding the partition and trying again");
+                    emit(
+                        &act.env.broker,
+                        &act.env.subjects,
+                        Event::StateRestoreFailed {
+                            stream: act.binding.stream.to_owned(),
+                            partition,
+                            error: e.to_string(),
+                            retry_in_ms: delay.as_millis() as u64,
+                        },
+                    );
+                    ctx.run_later(delay, |act, ctx| act.restore(ctx));
+                }
+            }
+        }));
+    }
+
+    /// The changelog cannot be read into the stores: the task fails (never starts empty).
+    pub(super) fn restore_failed(&mut self, partition: u32, error: String, ctx: &mut Context<Self>) {
+        emit(
+            &self.env.broker,
+            &self.env.subjects,
+            Event::StateRestoreFailed {
+                stream: self.binding.stream.to_owned(),
+                partition,
+                error: error.clone(),
+                retry_in_ms: 0,
+            },
+        );
+        self.fail(format!("state restore: {error}"), ctx);
+    }
+
+    pub(super) fn restored(
+        &mut self,
+        partition: u32,
+        restored: changelog::Restored,
+        started: Instant,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(d) = &mut self.durable else { return };
+        let stream = self.binding.stream;
+        let mut unknown = std::collections::BTreeSet::new();
+        let mut failed = None;
+        let keys = {
+            let mut stores = d.stores.borrow_mut();
+            let codec = *stores.codec();
+            for key in &restored.keys {
+                match stores.get_mut(&key.store) {
+                    Some(store) => {
+                        if let Err(e) = store.restore(&codec, &key.key_hex, key.value.as_ref(), key.revision) {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    None => {
+                        unknown.insert(key.store.clone());
+                    }
+                }
+            }
+            stores.len() as u64
+        };
+        if let Some(e) = failed {
+            self.restore_failed(partition, e, ctx);
+            return;
+        }
+        if !unknown.is_empty() {
+            warn!(stream, partition, stores = ?unknown, "the changelog holds stores this task does not declare: left as they are");
+        }
+        let (position, hooks) = (restored.changelog.commit.position, restored.changelog.commit.hooks);
+        d.changelog = Some(restored.changelog);
+        d.restore_failures = 0;
+        self.applied_through = position;
+        self.hook_at = (position, hooks);
+        self.metrics.restored(restored.keys.len() as u64, started.elapsed());
+        emit(
+            &self.env.broker,
+            &self.env.subjects,
+            Event::StateRestored {
+                stream: stream.to_owned(),
+                partition,
+                keys,
+                position,
+                incomplete: restored.incomplete,
+                millis: started.elapsed().as_millis() as u64,
+            },
+        );
+        self.run_hook(Hook::Init, ctx);
+        self.drive(ctx);
+    }
+
+    /// Commits, then does `then`. With stores, the commit first writes what changed to
+    /// the changelog (records, then the commit record) and acknowledges the inputs only
+    /// once that is stored; it first waits for messages whose changes are applied but
+    /// whose outputs are not stored yet, so the state it writes is that of exactly the
+    /// inputs it acknowledges.
+    pub(super) fn commit_then(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        if self.commit_started.is_none() {
+            let span = tracing::debug_span!(
+                "commit",
+                stream = self.binding.stream,
+                partition = self.binding.partition,
+                uncommitted = self.state.uncommitted_count(0),
+            );
+            self.commit_started = Some((Instant::now(), span));
+        }
+        let Some(d) = &mut self.durable else {
+            let positions = self.state.committable().clone();
+            self.commit_positions(positions);
+            self.after_commit(then, ctx);
+            return;
+        };
+        if self.inflight.values().any(|e| e.applied) {
+            d.waiting = Some(then);
+            return;
+        }
+        let Some(log) = &d.changelog else {
+            // Not restored: nothing was processed, nothing to commit.
+            self.after_commit(then, ctx);
+            return;
+        };
+        let positions = self.state.committable().clone();
+        let position = positions
+            .get(&0)
+            .and_then(|&pos| self.claimed.range(..=pos).next_back())
+            .map_or(0, |(_, c)| c.seq)
+            .max(log.commit.position);
+        let codec = *d.stores.borrow().codec();
+        let mut changes = Vec::new();
+        let mut failed = None;
+        for store in d.stores.borrow_mut().iter_mut() {
+            match store.take_changes(&codec) {
+                Ok(c) => changes.extend(c),
+                Err(e) => failed = Some(e),
+            }
+        }
+        let flush = match failed {
+            Some(e) => Err(e),
+            None if changes.is_empty() && position == log.commit.position => {
+                self.commit_positions(positions);
+                self.after_commit(then, ctx);
+                return;
+            }
+            None => {
+                // Hooks that ran at this position are in the state written.
+                let hooks = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
+                changelog::build_flush(log, changes, position, hooks, self.binding.epoch)
+            }
+        };
+        match flush {
+            Ok(flush) => {
+                d.persisting = true;
+                self.persist(Arc::new(flush), positions, then, 0, ctx);
+            }
+            Err(e) => self.fail(format!("state not stored: {e}"), ctx),
+        }
+    }
+
+    pub(super) fn persist(
+        &mut self,
+        flush: Arc<changelog::Flush>,
+        positions: BTreeMap<u32, u64>,
+        then: AfterCommit,
+        attempt: u32,
+        ctx: &mut Context<Self>,
+    ) {
+        if self.finished {
+            return;
+        }
+        if self.binding.fenced() {
+            self.abort_fenced(ctx);
+            return;
+        }
+        let bucket = self.env.subjects.bucket_name(crate::store::STATE);
+        let span = self.commit_started.as_ref().map_or_else(tracing::Span::none, |(_, s)| s.clone());
+        let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone()).instrument(span);
+        let sent = Instant::now();
+        ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
+            if act.finished {
+                return;
+            }
+            match result {
+                Ok(persisted) => {
+                    act.metrics.store_flush.record(sent.elapsed().as_secs_f64());
+                    act.metrics.store_flushed.increment(persisted.revisions.len() as u64 + 1);
+                    let Some(d) = &mut act.durable else { return };
+                    {
+                        let mut stores = d.stores.borrow_mut();
+                        for (store, key_hex, revision) in &persisted.revisions {
+                            if let Some(s) = stores.get_mut(store) {
+                                s.stored(key_hex, *revision);
+                            }
+                        }
+                    }
+                    if let Some(log) = &mut d.changelog {
+                        log.commit = flush.commit.clone();
+                        log.commit_revision = persisted.commit_revision;
+                    }
+                    d.persisting = false;
+                    crate::failpoint::hit(crate::failpoint::Point::StateCommittedBeforeAck);
+                    act.commit_positions(positions);
+                    act.after_commit(then, ctx);
+                }
+                Err(changelog::StateError::Broker(e))
+                    if e.class() == ErrorClass::Transient && attempt < act.config.unavailable_retries =>
+                {
+                    let delay = unavailable_backoff(attempt + 1);
+                    warn!(stream = act.binding.stream, partition = act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
+                    ctx.run_later(delay, move |act, ctx| act.persist(flush, positions, then, attempt + 1, ctx));
+                }
+                Err(changelog::StateError::Conflict(e)) => {
+                    if let Some(d) = &mut act.durable {
+                        d.persisting = false;
+                    }
+                    if act.binding.fenced() {
+                        act.abort_fenced(ctx);
+                    } else {
+                        act.restart_from_changelog(format!("state not stored: {e}"), ctx);
+                    }
+                }
+                Err(e) => {
+                    if let Some(d) = &mut act.durable {
+                        d.persisting = false;
+                    }
+                    act.fail(format!("state not stored: {e}; the partition restarts from its last commit"), ctx);
+                }
+            }
+        }));
+    }
+
+    /// The state in memory cannot be committed as it is (a message whose changes are
+    /// applied cannot finish, or someone else wrote the partition's changelog): hand
+    /// everything back without committing and end asking for a reset, whatever the
+    /// failure policy. The next worker restores the last commit and goes on from there.
+    pub(super) fn restart_from_changelog(&mut self, reason: String, ctx: &mut Context<Self>) {
+        self.end_for_restore(reason, None, ctx);
+    }
+
+    /// [`restart_from_changelog`](Self::restart_from_changelog) because of the message
+    /// at `order`: the restore counts as one of its attempts, so one that keeps forcing
+    /// restores is dead-lettered like one that keeps failing.
+    pub(super) fn restore_blaming(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
+        let blame = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq);
+        self.end_for_restore(reason, blame, ctx);
+    }
+
+    pub(super) fn end_for_restore(&mut self, reason: String, blame: Option<u64>, ctx: &mut Context<Self>) {
+        if self.finished {
+            return;
+        }
+        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, ?blame, "restarting the partition from its last commit");
+        self.release_all(true);
+        self.finish(Outcome::Restore { reason, blame }, ctx);
+    }
+
+    /// The message at `order` failed after its `process` returned: undoes its store
+    /// changes, if it had any kept. `false` when they cannot be undone alone (a later
+    /// callback changed one of its keys): then only a restore takes them back.
+    pub(super) fn undo_applied(&mut self, order: u64) -> bool {
+        let Some(e) = self.inflight.get_mut(&order) else { return true };
+        if !e.applied {
+            return true;
+        }
+        let Some(d) = &self.durable else { return true };
+        if !d.stores.borrow_mut().undo(order) {
+            return false;
+        }
+        e.applied = false;
+        true
+    }
+
+    pub(super) fn after_commit(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
+        if let Some((started, span)) = self.commit_started.take() {
+            self.metrics.commit.record(started.elapsed().as_secs_f64());
+            // The span closes here: its duration is the commit's.
+            drop(span);
+        }
+        match then {
+            AfterCommit::Drive => self.drive(ctx),
+            AfterCommit::Finish(outcome) => {
+                self.hand_back_unstarted();
+                self.finish(outcome, ctx);
+            }
+            AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
+        }
+    }
+
+    /// A hook changed the stores: commit soon, also on a partition with no new input
+    /// (its outputs are out; what they report must not be reported again).
+    pub(super) fn commit_hook_changes(&mut self) {
+        if self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()) {
+            self.state.request_commit();
+        }
+    }
+
+    /// Whether a commit of a task with stores is on its way.
+    pub(super) fn state_busy(&self) -> bool {
+        self.durable.as_ref().is_some_and(|d| d.persisting || d.waiting.is_some())
+    }
+
+    /// A commit that waited for applied messages goes on once none is left.
+    pub(super) fn resume_waiting_commit(&mut self, ctx: &mut Context<Self>) {
+        if self.inflight.values().any(|e| e.applied) {
+            return;
+        }
+        if let Some(then) = self.durable.as_mut().and_then(|d| d.waiting.take()) {
+            self.commit_then(then, ctx);
+        }
+    }
+}
