@@ -28,6 +28,12 @@ pub mod reaper;
 /// The retry policy ([`flotilla_proto::backoff`]).
 pub mod retry {
     pub use flotilla_proto::backoff::*;
+
+    /// A uniform draw in `[0, 1)` from the thread's generator, for the jitter the rules
+    /// take as an argument (the rules draw none of their own).
+    pub fn sample() -> f64 {
+        rand::random()
+    }
 }
 /// The run loop's state machine ([`flotilla_proto::partition`]).
 pub mod state {

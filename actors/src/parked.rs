@@ -138,7 +138,7 @@ pub(crate) async fn recheck(
         match send_back(&broker, &subjects, &stream, &key, usize::MAX).await {
             Err(e) if failures + 1 < SEND_BACK_TRIES => {
                 failures += 1;
-                tokio::time::sleep(crate::retry::RetryPolicy::default().backoff(failures)).await;
+                tokio::time::sleep(crate::retry::CONTROL_RECORD.wait(failures, crate::retry::sample())).await;
                 debug!(%stream, %key, error = %e, "sending back messages parked after an unpark failed; trying again");
             }
             result => break result,

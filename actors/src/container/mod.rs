@@ -854,11 +854,7 @@ impl Handler<WorkerReport> for Container {
                         s.resyncing = true;
                         let delay = match s.restores {
                             1 => Duration::ZERO,
-                            n => crate::retry::RetryPolicy {
-                                initial_backoff: Duration::from_millis(100),
-                                ..crate::retry::RetryPolicy::default()
-                            }
-                            .backoff(n - 1),
+                            n => crate::retry::RESTORE.wait(n - 1, crate::retry::sample()),
                         };
                         info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, ?blame, restores = s.restores, ?delay, "restoring the partition from its last commit");
                         self.timers.do_send(After {

@@ -37,14 +37,7 @@ impl Done {
 /// The wait before storing a partition's done record again after `failures` failed
 /// tries: 200 ms doubling to 30 s, ±50 %.
 fn record_backoff(failures: u32) -> std::time::Duration {
-    let policy = crate::retry::RetryPolicy {
-        initial_backoff: std::time::Duration::from_millis(200),
-        max_backoff: std::time::Duration::from_secs(30),
-        multiplier: 2.0,
-        jitter: 0.5,
-        ..crate::retry::RetryPolicy::default()
-    };
-    policy.backoff(failures)
+    crate::retry::DONE_RECORD.wait(failures, crate::retry::sample())
 }
 
 impl Membership {

@@ -213,7 +213,7 @@ impl<T: Task> TaskWorker<T> {
                         // Not at once: it would come straight back and be refused again,
                         // spending its deliveries in a second.
                         let delivery = env.delivery.clone();
-                        let delay = park_retry_delay(delivery.info.delivered, rand::Rng::random_range(&mut rand::rng(), 0.5..1.5));
+                        let delay = park_retry_delay(delivery.info.delivered, crate::retry::sample());
                         warn!(stream = act.binding.stream, seq = delivery.info.stream_seq, ?delay, error = %e, "could not park a message of a parked key: handing it back for later");
                         act.forget(order);
                         act.hand_back_after(&delivery, true, Some(delay));

@@ -11,7 +11,7 @@ impl<T: Task> TaskWorker<T> {
         let attempt = envelope.attempt;
         let max = self.config.retry.max_attempts;
         let seq = envelope.delivery.info.stream_seq;
-        match self.binding.discipline().after_failure(attempt, &self.config.retry) {
+        match self.binding.discipline().after_failure(attempt, &self.config.retry, crate::retry::sample()) {
             AfterFailure::DeadLetter => {
                 debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
                 self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);

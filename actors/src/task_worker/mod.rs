@@ -223,12 +223,11 @@ impl HookKind {
     }
 }
 
-/// Back-off while something is unreachable: 200 ms doubling to 30 s, then ±50 %
-/// jitter, so that many workers retrying after one outage do not come back at once.
+/// Back-off while something is unreachable ([`crate::retry::UNAVAILABLE`]: 200 ms
+/// doubling to 30 s, ±50 %), so that many workers retrying after one outage do not come
+/// back at once.
 fn unavailable_backoff(n: u32) -> Duration {
-    use rand::Rng;
-    let base = Duration::from_millis(200).saturating_mul(1 << n.saturating_sub(1).min(8)).min(Duration::from_secs(30));
-    base.mul_f64(rand::rng().random_range(0.5..1.5))
+    crate::retry::UNAVAILABLE.wait(n, crate::retry::sample())
 }
 
 /// A claimed message's acknowledgement handle, kept until it is committed.

@@ -89,12 +89,13 @@ pub enum AfterFailure {
 }
 
 impl Discipline {
-    /// After attempt number `attempt` failed, under `policy`.
-    pub fn after_failure(self, attempt: u32, policy: &RetryPolicy) -> AfterFailure {
+    /// After attempt number `attempt` failed, under `policy`; `sample` (a uniform draw in
+    /// `[0, 1)`) jitters the wait.
+    pub fn after_failure(self, attempt: u32, policy: &RetryPolicy, sample: f64) -> AfterFailure {
         if policy.exhausted(attempt) {
             return AfterFailure::DeadLetter;
         }
-        let delay = policy.backoff(attempt);
+        let delay = policy.backoff(attempt, sample);
         match self {
             Discipline::Ordered => AfterFailure::RetryInPlace(delay),
             Discipline::Queue => AfterFailure::Nak(delay),
@@ -130,20 +131,19 @@ impl Discipline {
 pub const RELEASE_ALLOWANCE: u32 = 20;
 
 /// The longest a parked key's message that could not be set aside waits to come again.
-pub const PARK_RETRY_CAP: Duration = Duration::from_secs(300);
+pub const PARK_RETRY_CAP: Duration = crate::backoff::PARK.cap;
 
 /// Queue inputs: how long a parked key's message that could not be set aside (the
 /// PARKED stream refused it) waits before it comes again, after its `delivered`-th
-/// delivery: 200 ms doubling to [`PARK_RETRY_CAP`], times `jitter` (0.5 to 1.5). Each
+/// delivery: 200 ms doubling to [`PARK_RETRY_CAP`], ±50 % by `sample` (a uniform draw in
+/// `[0, 1)`; [`crate::backoff::PARK`]). Each
 /// wait is a hand-back (no attempt), but one more delivery, and the consumer delivers a
 /// message at most attempts + 1 + [`RELEASE_ALLOWANCE`] times:
 /// handed back at once, a message spent them all in about a second of refused writes;
 /// at this pace the hand-backs last half an hour at least. The key is parked, so the
 /// message was not going to run meanwhile anyway.
-pub fn park_retry_delay(delivered: u64, jitter: f64) -> Duration {
-    let doublings = delivered.saturating_sub(1).min(11) as u32;
-    let base = Duration::from_millis(200).saturating_mul(1 << doublings).min(PARK_RETRY_CAP);
-    base.mul_f64(jitter.clamp(0.5, 1.5))
+pub fn park_retry_delay(delivered: u64, sample: f64) -> Duration {
+    crate::backoff::PARK.wait(u32::try_from(delivered).unwrap_or(u32::MAX), sample)
 }
 
 /// Ordered inputs: whether completed messages are committed now. Once per claimed
@@ -439,12 +439,12 @@ mod tests {
     #[test]
     fn failures_retry_in_place_on_partitions_and_by_nak_on_queues_then_dead_letter() {
         let policy = RetryPolicy { max_attempts: 3, jitter: 0.0, ..RetryPolicy::default() };
-        let first = policy.backoff(1);
-        assert_eq!(Discipline::Ordered.after_failure(1, &policy), AfterFailure::RetryInPlace(first));
-        assert_eq!(Discipline::Queue.after_failure(1, &policy), AfterFailure::Nak(first));
-        assert!(policy.backoff(2) > first, "backoff grows");
-        assert_eq!(Discipline::Ordered.after_failure(3, &policy), AfterFailure::DeadLetter);
-        assert_eq!(Discipline::Queue.after_failure(3, &policy), AfterFailure::DeadLetter);
+        let first = policy.backoff(1, 0.5);
+        assert_eq!(Discipline::Ordered.after_failure(1, &policy, 0.5), AfterFailure::RetryInPlace(first));
+        assert_eq!(Discipline::Queue.after_failure(1, &policy, 0.5), AfterFailure::Nak(first));
+        assert!(policy.backoff(2, 0.5) > first, "backoff grows");
+        assert_eq!(Discipline::Ordered.after_failure(3, &policy, 0.5), AfterFailure::DeadLetter);
+        assert_eq!(Discipline::Queue.after_failure(3, &policy, 0.5), AfterFailure::DeadLetter);
     }
 
     #[test]
@@ -466,13 +466,13 @@ mod tests {
 
     #[test]
     fn failed_parks_come_back_slower_and_slower_so_the_hand_backs_last() {
-        assert_eq!(park_retry_delay(1, 1.0), Duration::from_millis(200));
-        assert_eq!(park_retry_delay(0, 1.0), Duration::from_millis(200), "no delivery counts as the first");
-        assert_eq!(park_retry_delay(3, 1.0), Duration::from_millis(800));
-        assert_eq!(park_retry_delay(40, 1.5), PARK_RETRY_CAP.mul_f64(1.5), "capped");
+        assert_eq!(park_retry_delay(1, 0.5), Duration::from_millis(200));
+        assert_eq!(park_retry_delay(0, 0.5), Duration::from_millis(200), "no delivery counts as the first");
+        assert_eq!(park_retry_delay(3, 0.5), Duration::from_millis(800));
+        assert_eq!(park_retry_delay(40, 1.0), PARK_RETRY_CAP.mul_f64(1.5), "capped");
         assert_eq!(park_retry_delay(u64::MAX, 9.0), PARK_RETRY_CAP.mul_f64(1.5), "jitter clamped");
         // The least a message's hand-backs last, every jitter at its lowest.
-        let least: Duration = (1..=u64::from(RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.5)).sum();
+        let least: Duration = (1..=u64::from(RELEASE_ALLOWANCE)).map(|n| park_retry_delay(n, 0.0)).sum();
         assert!(least >= Duration::from_secs(25 * 60), "the allowance lasts only {least:?}");
     }
 

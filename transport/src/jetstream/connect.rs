@@ -4,7 +4,6 @@ use super::{Inner, JetStreamBroker, publisher};
 use crate::broker::{BrokerError, BrokerKind, BrokerResult, ConnectionEvent, ServerInfo, Version};
 use async_nats::jetstream;
 use dashmap::DashMap;
-use rand::Rng;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,9 +62,8 @@ impl JetStreamOptions {
 /// The reconnect delay after `attempts` failed attempts: exponential from 100 ms, capped
 /// at 5 s, times a random factor in [0.5, 1.5).
 pub fn reconnect_delay(attempts: usize) -> Duration {
-    let base = Duration::from_millis(100).saturating_mul(1u32 << attempts.min(6));
-    let capped = base.min(Duration::from_secs(5));
-    capped.mul_f64(rand::rng().random_range(0.5..1.5))
+    let n = u32::try_from(attempts).unwrap_or(u32::MAX).saturating_add(1);
+    flotilla_proto::backoff::RECONNECT.wait(n, rand::random())
 }
 
 fn map_event(ev: async_nats::Event) -> ConnectionEvent {

@@ -437,13 +437,13 @@ proptest! {
     ) {
         let policy = RetryPolicy { max_attempts, jitter: 0.0, ..RetryPolicy::default() };
         let discipline = if ordered { Discipline::Ordered } else { Discipline::Queue };
-        let after = discipline.after_failure(attempt, &policy);
+        let after = discipline.after_failure(attempt, &policy, 0.5);
         if attempt >= max_attempts.max(1) {
             prop_assert_eq!(after, AfterFailure::DeadLetter);
         } else if ordered {
-            prop_assert_eq!(after, AfterFailure::RetryInPlace(policy.backoff(attempt)), "a partition keeps its order");
+            prop_assert_eq!(after, AfterFailure::RetryInPlace(policy.backoff(attempt, 0.5)), "a partition keeps its order");
         } else {
-            prop_assert_eq!(after, AfterFailure::Nak(policy.backoff(attempt)));
+            prop_assert_eq!(after, AfterFailure::Nak(policy.backoff(attempt, 0.5)));
         }
     }
 }
