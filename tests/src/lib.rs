@@ -13,9 +13,12 @@
 #![warn(missing_docs)]
 
 pub mod fault_proxy;
+pub mod record;
 pub mod relay_cluster;
 pub mod safety;
 pub mod webdriver;
+
+pub use record::{Record, read_messages};
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

@@ -12,7 +12,6 @@ use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, Share
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::wire::{Codec, Headers, MessageId, headers, partition_for};
 use flotilla_transport::{JetStreamBroker, JetStreamOptions};
-use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -35,14 +34,7 @@ pub const QUEUE_IN: &str = "FLOTILLA_relay_relay-jobs";
 /// The relay's queue output stream (`--queue`).
 pub const QUEUE_OUT: &str = "FLOTILLA_relay_relay-done";
 
-/// The relay's record type (as `examples/relay.rs` declares it).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Record {
-    /// The record's number: its key and its message id (`in-{id}`).
-    pub id: u64,
-    /// Its body; some bodies are instructions to the relay (`poison`, `sleep:MS`, …).
-    pub body: String,
-}
+pub use crate::record::Record;
 
 /// How to start one node, beyond the cluster's defaults.
 #[derive(Debug, Clone, Default)]

@@ -6,18 +6,12 @@
 use flotilla_actors::cluster::ClusterConfig;
 use flotilla_actors::{Job, RunningJob, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::ControlClient;
+use flotilla_tests::{Record, count, read_messages};
 use flotilla_transport::EmbeddedBroker;
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, CoreMessage, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{CoreMessage, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers};
 use futures::StreamExt;
-use serde::{Deserialize, Serialize};
 use std::time::Duration;
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
 const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
@@ -58,18 +52,14 @@ async fn publish_job(b: &SharedBroker, id: u64, key: &str) {
     b.publish(msg).await.expect("publish");
 }
 
-async fn messages(b: &SharedBroker, js_stream: &str) -> u64 {
-    b.stream_state(js_stream).await.map(|s| s.messages).unwrap_or(0)
-}
-
 /// Waits (on paused time) until `js_stream` holds `n` messages.
 async fn wait_for(b: &SharedBroker, js_stream: &str, n: u64, within: Duration) {
     let deadline = tokio::time::Instant::now() + within;
-    while messages(b, js_stream).await < n {
+    while count(b, js_stream).await < n {
         assert!(
             tokio::time::Instant::now() < deadline,
             "LIVENESS: {js_stream} has {} messages after {within:?}, expected {n}",
-            messages(b, js_stream).await
+            count(b, js_stream).await
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -77,22 +67,11 @@ async fn wait_for(b: &SharedBroker, js_stream: &str, n: u64, within: Duration) {
 
 /// Every message of a stream (payload decoded) through a fresh consumer.
 async fn read_all(b: &SharedBroker, js_stream: &str) -> Vec<(Record, flotilla_transport::wire::Headers)> {
-    let name = format!("reader-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer(js_stream, spec).await.expect("reader");
     let mut out = Vec::new();
-    loop {
-        let got = b.claim(js_stream, &name, 1000, Duration::from_millis(50)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let r = Codec::default().decode::<Record>(&d.payload).expect("a record");
-            out.push((r, d.headers.clone()));
-        }
+    for d in read_messages(b, js_stream, None, Duration::from_millis(50)).await {
+        let r = Codec::default().decode::<Record>(&d.payload).expect("a record");
+        out.push((r, d.headers.clone()));
     }
-    b.delete_consumer(js_stream, &name).await.expect("delete reader");
     out
 }
 
@@ -165,7 +144,7 @@ async fn a_message_that_cannot_be_parked_comes_back_with_backoff_and_costs_no_at
     );
     embedded.refuse_writes(None);
     wait_for(&b, "FLOTILLA_t_PARKED", 1, Duration::from_secs(120)).await;
-    assert_eq!(messages(&b, "FLOTILLA_t_done").await, 0, "SAFETY: a parked key's message ran");
+    assert_eq!(count(&b, "FLOTILLA_t_done").await, 0, "SAFETY: a parked key's message ran");
     control.park("jobs", "k1", false).await.expect("unpark");
     wait_for(&b, "FLOTILLA_t_done", 1, Duration::from_secs(30)).await;
     let done = read_all(&b, "FLOTILLA_t_done").await;
@@ -314,7 +293,7 @@ async fn a_message_parked_after_unpark_is_sent_back_with_an_event() {
     assert_eq!(control.park("jobs", "k1", false).await.expect("unpark"), 0, "nothing was parked yet");
     publish_job(&b, 1, "k1").await;
     tokio::time::sleep(Duration::from_secs(20)).await;
-    let parked = messages(&b, "FLOTILLA_t_PARKED").await;
+    let parked = count(&b, "FLOTILLA_t_PARKED").await;
     let done = read_all(&b, "FLOTILLA_t_done").await;
     let events = drain_events(&mut events);
     assert_eq!(

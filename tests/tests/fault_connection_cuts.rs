@@ -24,12 +24,12 @@
 //! runs out are a `LIVENESS:` failure, which a retry may pass (`flotilla_tests::safety`).
 
 use flotilla_tests::fault_proxy::FaultProxy;
-use flotilla_tests::{NatsServer, ProcessGuard, example_bin, liveness, safety};
+use flotilla_tests::relay_cluster::tail;
+use flotilla_tests::{NatsServer, ProcessGuard, Record, example_bin, liveness, safety};
 use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::wire::{Codec, headers, partition_for};
 use flotilla_transport::{JetStreamBroker, JetStreamOptions};
-use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -45,12 +45,6 @@ const SETTLE: Duration = Duration::from_secs(90);
 /// Give up early when relay-out has not grown for this long after the cuts ended
 /// (longer than two ack-waits, so redeliveries had their chance).
 const STALL: Duration = Duration::from_secs(25);
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 /// Ordered (`relay-in` → `relay-out`, a consumer per partition) or queue
 /// (`relay-jobs` → `relay-done`, one shared consumer) input.
@@ -154,11 +148,6 @@ fn gap_ms() -> (u64, u64) {
         Some((Some(lo), Some(hi))) if lo <= hi => (lo, hi),
         _ => panic!("FLOTILLA_FAULT_GAP_MS={text:?}: write LO-HI in milliseconds, e.g. 300-900"),
     }
-}
-
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Cuts every connection through the proxy at seeded random moments until stopped.

@@ -4,8 +4,8 @@
 
 use flotilla_actors::{Job, Producer, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::dlq::DeadLetters;
-use flotilla_tests::{NatsServer, connect, count, flotilla_bin, wait_count};
-use flotilla_transport::broker::{AckPolicy, BrokerError, ConsumerSpec, OutboundMessage, SharedBroker, StreamSpec};
+use flotilla_tests::{NatsServer, connect, count, flotilla_bin, read_messages, wait_count};
+use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StreamSpec};
 use flotilla_transport::wire::{Codec, partition_for};
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
@@ -40,22 +40,11 @@ impl Task for Ship {
 
 /// How many times each order id reached `shipped`.
 async fn shipped(b: &SharedBroker) -> BTreeMap<u64, u32> {
-    let name = format!("check-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer("FLOTILLA_shop_shipped", spec).await.expect("checker consumer");
     let mut out = BTreeMap::new();
-    loop {
-        let got = b.claim("FLOTILLA_shop_shipped", &name, 1000, Duration::from_millis(300)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let order: Order = Codec::default().decode(&d.payload).expect("an order");
-            *out.entry(order.id).or_default() += 1;
-        }
+    for d in read_messages(b, "FLOTILLA_shop_shipped", None, Duration::from_millis(300)).await {
+        let order: Order = Codec::default().decode(&d.payload).expect("an order");
+        *out.entry(order.id).or_default() += 1;
     }
-    b.delete_consumer("FLOTILLA_shop_shipped", &name).await.expect("delete checker");
     out
 }
 

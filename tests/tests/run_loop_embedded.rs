@@ -4,20 +4,15 @@
 
 use bytes::Bytes;
 use flotilla_actors::{FailurePolicy, Job, JobError, StreamDef, Task, TaskContext, TaskError};
+use flotilla_tests::{Record, read_messages};
 use flotilla_transport::EmbeddedBroker;
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::time::Duration;
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
 const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);
@@ -102,34 +97,12 @@ async fn read_all(
     js_stream: &str,
     filter: Option<String>,
 ) -> Vec<(String, Record, flotilla_transport::wire::Headers)> {
-    let name = format!("reader-{}", rand_suffix());
-    let spec = ConsumerSpec {
-        filter_subject: filter,
-        ack_policy: AckPolicy::Explicit,
-        max_ack_pending: None,
-        ..ConsumerSpec::new(name.clone())
-    };
-    b.ensure_consumer(js_stream, spec).await.expect("reader");
     let mut out = Vec::new();
-    loop {
-        let got = b.claim(js_stream, &name, 1000, Duration::from_millis(50)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let rec =
-                codec().decode::<Record>(&d.payload).unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
-            out.push((d.subject.to_string(), rec, d.headers.clone()));
-        }
+    for d in read_messages(b, js_stream, filter, Duration::from_millis(50)).await {
+        let rec = codec().decode::<Record>(&d.payload).unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
+        out.push((d.subject.to_string(), rec, d.headers.clone()));
     }
-    b.delete_consumer(js_stream, &name).await.expect("delete reader");
     out
-}
-
-fn rand_suffix() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
 }
 
 async fn wait_for(b: &SharedBroker, js_stream: &str, n: u64) {

@@ -3,20 +3,13 @@
 
 use bytes::Bytes;
 use flotilla_actors::{Job, StreamDef, Task, TaskContext, TaskError};
-use flotilla_tests::{NatsServer, ProcessGuard, connect, count, example_bin, wait_count};
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_tests::{NatsServer, ProcessGuard, Record, connect, count, example_bin, read_messages, wait_count};
+use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};
-use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 thread_local! {
     static CALLS: RefCell<HashMap<u64, u32>> = RefCell::new(HashMap::new());
@@ -56,24 +49,13 @@ async fn publish(b: &SharedBroker, subject: String, id: u64, body: &str) {
 
 /// Every record in a stream, read through a fresh consumer: (subject, record, headers).
 async fn read_all(b: &SharedBroker, stream: &str) -> Vec<(String, Record, flotilla_transport::wire::Headers)> {
-    let name = format!("check-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer(stream, spec).await.expect("checker consumer");
     let mut out = Vec::new();
-    loop {
-        let got = b.claim(stream, &name, 1000, Duration::from_millis(300)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let r = Codec::default()
-                .decode::<Record>(&d.payload)
-                .unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
-            out.push((d.subject.to_string(), r, d.headers));
-        }
+    for d in read_messages(b, stream, None, Duration::from_millis(300)).await {
+        let r = Codec::default()
+            .decode::<Record>(&d.payload)
+            .unwrap_or(Record { id: u64::MAX, body: "undecodable".into() });
+        out.push((d.subject.to_string(), r, d.headers));
     }
-    b.delete_consumer(stream, &name).await.expect("delete checker");
     out
 }
 

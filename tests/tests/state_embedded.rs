@@ -4,8 +4,9 @@
 //! changelog holds the partition (docs/state.md).
 
 use flotilla_actors::{Job, StoreDef, StreamDef, Task, TaskContext, TaskError};
+use flotilla_tests::read_messages;
 use flotilla_transport::EmbeddedBroker;
-use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
+use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
@@ -75,22 +76,11 @@ async fn vote(b: &SharedBroker, voter: u64, choice: &str) {
 
 /// The last total of each choice.
 async fn last_totals(b: &SharedBroker) -> BTreeMap<String, u64> {
-    let name = format!("reader-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer("FLOTILLA_t_totals", spec).await.expect("reader");
     let mut last = BTreeMap::new();
-    loop {
-        let got = b.claim("FLOTILLA_t_totals", &name, 1000, Duration::from_millis(50)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let t: Total = Codec::default().decode(&d.payload).expect("total");
-            last.insert(t.choice, t.count);
-        }
+    for d in read_messages(b, "FLOTILLA_t_totals", None, Duration::from_millis(50)).await {
+        let t: Total = Codec::default().decode(&d.payload).expect("total");
+        last.insert(t.choice, t.count);
     }
-    b.delete_consumer("FLOTILLA_t_totals", &name).await.expect("delete reader");
     last
 }
 
@@ -227,22 +217,11 @@ impl Task for Report {
 
 /// Every message of `js_stream`: (message id, total).
 async fn all_totals(b: &SharedBroker, js_stream: &str) -> Vec<(String, Total)> {
-    let name = format!("reader-{}", flotilla_transport::wire::MessageId::new_v7().as_str().replace('-', ""));
-    let spec =
-        ConsumerSpec { ack_policy: AckPolicy::Explicit, max_ack_pending: None, ..ConsumerSpec::new(name.clone()) };
-    b.ensure_consumer(js_stream, spec).await.expect("reader");
     let mut out = Vec::new();
-    loop {
-        let got = b.claim(js_stream, &name, 1000, Duration::from_millis(50)).await.expect("claim");
-        if got.is_empty() {
-            break;
-        }
-        for d in got {
-            let id = d.headers.msg_id().unwrap_or_default().to_owned();
-            out.push((id, Codec::default().decode(&d.payload).expect("a total")));
-        }
+    for d in read_messages(b, js_stream, None, Duration::from_millis(50)).await {
+        let id = d.headers.msg_id().unwrap_or_default().to_owned();
+        out.push((id, Codec::default().decode(&d.payload).expect("a total")));
     }
-    b.delete_consumer(js_stream, &name).await.expect("delete reader");
     out
 }
 

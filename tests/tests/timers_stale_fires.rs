@@ -7,19 +7,13 @@
 use flotilla_actors::cluster::ClusterConfig;
 use flotilla_actors::{Job, RunningJob, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::ControlClient;
+use flotilla_tests::Record;
 use flotilla_transport::EmbeddedBroker;
 use flotilla_transport::broker::{OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};
-use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::time::Duration;
 use tokio::time::{Instant, sleep};
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 const IN: StreamDef<Record> = StreamDef::ordered("in", 4);
 const OUT: StreamDef<Record> = StreamDef::ordered("out", 4);

@@ -2,20 +2,13 @@
 //! NATS protocol bytes by hand over a TCP socket (no NATS client, no Flotilla codec),
 //! and Flotilla must claim and decode what it published.
 
-use flotilla_tests::NatsServer;
+use flotilla_tests::{NatsServer, Record};
 use flotilla_transport::topology;
 use flotilla_transport::wire::{Codec, JobName, StreamName, Subjects, headers};
 use flotilla_transport::{JetStreamBroker, JetStreamOptions};
-use serde::Deserialize;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
-
-#[derive(Debug, PartialEq, Deserialize)]
-struct Record {
-    id: u64,
-    body: String,
-}
 
 /// FNV-1a 64 written from the document, not Flotilla's implementation.
 fn doc_fnv1a64(data: &[u8]) -> u64 {

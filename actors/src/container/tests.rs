@@ -1,0 +1,184 @@
+use super::claims::claim_wait_after;
+use super::*;
+
+/// How many slots the container holds (tests).
+#[derive(Debug, Message)]
+#[rtype(result = "usize")]
+struct SlotCount;
+
+impl Handler<SlotCount> for Container {
+    type Result = usize;
+
+    fn handle(&mut self, _: SlotCount, _: &mut Context<Self>) -> usize {
+        self.slots.len()
+    }
+}
+
+#[test]
+fn idle_claims_wait_longer_up_to_the_idle_wait() {
+    let (base, idle) = (Duration::from_secs(1), Duration::from_secs(5));
+    let waits: Vec<u64> = (0..6).map(|n| claim_wait_after(n, base, idle).as_secs()).collect();
+    assert_eq!(waits, [1, 2, 4, 5, 5, 5]);
+    assert_eq!(claim_wait_after(u32::MAX, base, idle), idle, "no overflow");
+    // Cluster mode: the idle wait is the claim wait.
+    assert_eq!(claim_wait_after(7, base, base), base);
+    // An idle wait below the claim wait never shortens it.
+    assert_eq!(claim_wait_after(3, base, Duration::from_millis(10)), base);
+}
+
+/// A worker that takes nothing and stops when told (or fails at once).
+struct Idle {
+    slot: usize,
+    container: Recipient<WorkerReport>,
+    fail: bool,
+}
+impl Actor for Idle {
+    type Context = Context<Self>;
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if self.fail {
+            self.container.do_send(WorkerReport::Finished { slot: self.slot, outcome: Outcome::Failed("boom".into()) });
+            ctx.stop();
+        }
+    }
+}
+impl Handler<Deliver> for Idle {
+    type Result = ();
+    fn handle(&mut self, _: Deliver, _: &mut Context<Self>) {}
+}
+impl Handler<WorkerControl> for Idle {
+    type Result = ();
+    fn handle(&mut self, _: WorkerControl, _: &mut Context<Self>) {}
+}
+impl Handler<StopWorker> for Idle {
+    type Result = ();
+    fn handle(&mut self, _: StopWorker, ctx: &mut Context<Self>) {
+        self.container.do_send(WorkerReport::Finished { slot: self.slot, outcome: Outcome::Stopped });
+        ctx.stop();
+    }
+}
+
+struct Ends(std::sync::Arc<std::sync::Mutex<Vec<usize>>>);
+impl Actor for Ends {
+    type Context = Context<Self>;
+}
+impl Handler<SlotEnded> for Ends {
+    type Result = ();
+    fn handle(&mut self, ended: SlotEnded, _: &mut Context<Self>) {
+        self.0.lock().expect("lock").push(ended.slot);
+    }
+}
+
+/// Cluster mode: a partition that comes and goes a hundred times leaves no slot
+/// behind, and no slot id is used twice.
+#[actix_rt::test]
+async fn slots_of_released_partitions_are_freed() {
+    let broker = flotilla_transport::EmbeddedBroker::new().shared();
+    let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
+    let timers = TimerService::default().start();
+    let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+    let factory: PartitionFactory = std::rc::Rc::new(|stream: &str, p, epoch, fence, paused| {
+        Some(SlotSpec {
+            stream: stream.to_owned(),
+            partition: Some(p),
+            js_stream: "FLOTILLA_j_in".into(),
+            consumer: format!("in-p{p}"),
+            capacity: 1,
+            policy: FailurePolicy::FailContainer,
+            sweep: false,
+            takeover: None,
+            start: None,
+            epoch,
+            fence: Some(fence),
+            paused,
+            spawn: Box::new(|sc: SlotContext| {
+                let idle = Idle { slot: sc.slot, container: sc.container, fail: false }.start();
+                WorkerHandle {
+                    deliver: idle.clone().recipient(),
+                    stop: idle.clone().recipient(),
+                    control: idle.recipient(),
+                }
+            }),
+        })
+    });
+    let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let observer = Ends(ended.clone()).start();
+    let (tx, _rx) = oneshot::channel();
+    let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
+        .observed_by(observer.recipient(), factory)
+        .start();
+    let mut ids = Vec::new();
+    for _ in 0..100 {
+        let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
+        let add = AddSlot { stream: "in".into(), partition: 3, epoch: 1, fence, paused: false, start: None };
+        let id = container.send(add).await.expect("container").expect("a slot");
+        ids.push(id);
+        container.send(ReleaseSlot(id)).await.expect("container");
+        for _ in 0..200 {
+            if ended.lock().expect("lock").contains(&id) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(ended.lock().expect("lock").contains(&id), "slot {id} never ended");
+    }
+    let held = container.send(SlotCount).await.expect("container");
+    assert_eq!(held, 0, "slots left behind");
+    ids.dedup();
+    assert_eq!(ids.len(), 100, "slot ids are not reused");
+}
+
+/// Cluster mode: a failed task whose partition cannot be reset (its stream is gone)
+/// starts no worker, and after a few tries the partition is handed back.
+#[actix_rt::test]
+async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
+    tokio::time::pause();
+    let broker = flotilla_transport::EmbeddedBroker::new().shared();
+    let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
+    let timers = TimerService::default().start();
+    let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+    let starts = std::rc::Rc::new(std::cell::Cell::new(0));
+    let counted = starts.clone();
+    let factory: PartitionFactory = std::rc::Rc::new(move |stream: &str, p, epoch, fence, paused| {
+        let counted = counted.clone();
+        Some(SlotSpec {
+            stream: stream.to_owned(),
+            partition: Some(p),
+            js_stream: "FLOTILLA_j_gone".into(),
+            consumer: format!("in-p{p}"),
+            capacity: 1,
+            policy: FailurePolicy::RestartTask,
+            sweep: false,
+            takeover: Some(flotilla_transport::broker::ConsumerSpec::new(format!("in-p{p}"))),
+            start: None,
+            epoch,
+            fence: Some(fence),
+            paused,
+            spawn: Box::new(move |sc: SlotContext| {
+                counted.set(counted.get() + 1);
+                let idle = Idle { slot: sc.slot, container: sc.container, fail: true }.start();
+                WorkerHandle {
+                    deliver: idle.clone().recipient(),
+                    stop: idle.clone().recipient(),
+                    control: idle.recipient(),
+                }
+            }),
+        })
+    });
+    let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let observer = Ends(ended.clone()).start();
+    let (tx, _rx) = oneshot::channel();
+    let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
+        .observed_by(observer.recipient(), factory)
+        .start();
+    let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
+    let add = AddSlot { stream: "in".into(), partition: 0, epoch: 1, fence, paused: false, start: None };
+    let id = container.send(add).await.expect("container").expect("a slot");
+    for _ in 0..600 {
+        if ended.lock().expect("lock").contains(&id) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ended.lock().expect("lock").contains(&id), "the partition was never handed back");
+    assert_eq!(starts.get(), 1, "no worker started after a failed reset");
+}
