@@ -6,7 +6,7 @@ use super::*;
 /// The wait of a slot's next claim after `empty` empty claims in a row: `base`,
 /// doubling per empty claim, at most `idle` (and never less than `base`).
 pub(super) fn claim_wait_after(empty: u32, base: Duration, idle: Duration) -> Duration {
-    base.saturating_mul(1 << empty.min(16)).min(idle.max(base))
+    crate::retry::Backoff::doubling(base, idle.max(base), 0.0).base(empty.saturating_add(1))
 }
 
 impl Container {
@@ -114,8 +114,7 @@ impl Container {
             }
             Err(e) => {
                 slot.failures += 1;
-                let base = Duration::from_millis(100).saturating_mul(1 << slot.failures.min(8));
-                let delay = base.min(Duration::from_secs(5)).mul_f64(rand::rng().random_range(0.5..1.5));
+                let delay = crate::retry::CLAIM_FAILED.wait(slot.failures, crate::retry::sample());
                 slot.backoff_until = Some(tokio::time::Instant::now() + delay);
                 if slot.failures == 1 || slot.failures.is_multiple_of(10) {
                     emit(

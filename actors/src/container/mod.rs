@@ -36,7 +36,6 @@ use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::SharedBroker;
 use flotilla_transport::wire::Subjects;
-use rand::Rng;
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
@@ -371,8 +370,7 @@ impl Handler<WorkerReport> for Container {
                             s.restarts += 1;
                             s.worker = None;
                             s.restart_pending = true;
-                            let base = Duration::from_millis(100).saturating_mul(1 << s.restarts.min(9));
-                            let delay = base.min(Duration::from_secs(30)).mul_f64(rand::rng().random_range(0.8..1.2));
+                            let delay = crate::retry::TASK_RESTART.wait(s.restarts, crate::retry::sample());
                             warn!(stream = %s.spec.stream, partition = s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
                             self.timers.do_send(After {
                                 delay,

@@ -133,8 +133,7 @@ impl Container {
                 }
                 Err(e) => {
                     s.reset_failures += 1;
-                    let base = Duration::from_millis(250).saturating_mul(1 << s.reset_failures.min(5));
-                    let delay = base.min(Duration::from_secs(5)).mul_f64(rand::rng().random_range(0.5..1.5));
+                    let delay = crate::retry::PARTITION_RESET.wait(s.reset_failures, crate::retry::sample());
                     warn!(stream = %s.spec.stream, partition = s.spec.partition, error = %e, ?delay, "could not reset the partition; its task waits for the reset");
                     act.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Restart(i) });
                 }
