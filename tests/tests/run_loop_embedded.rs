@@ -4,6 +4,7 @@
 
 use bytes::Bytes;
 use flotilla_actors::{FailurePolicy, Job, JobError, StreamDef, Task, TaskContext, TaskError};
+use flotilla_node::cluster::JoinCluster;
 use flotilla_transport::EmbeddedBroker;
 use flotilla_transport::broker::{AckPolicy, ConsumerSpec, OutboundMessage, SharedBroker};
 use flotilla_transport::wire::{Codec, headers, partition_for};

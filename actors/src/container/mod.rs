@@ -90,7 +90,7 @@ pub struct SlotSpec {
     /// Cluster mode: the partition's lease fence. Nothing is claimed for the slot, and a
     /// restart does not reset the partition's consumer, once it is no longer valid (the
     /// lease may be someone else's by then, and so would the claimed messages be).
-    pub fence: Option<crate::cluster::Fence>,
+    pub fence: Option<crate::fence::Fence>,
     /// Starts paused.
     pub paused: bool,
     /// Starts the worker.
@@ -259,7 +259,7 @@ pub struct Container {
 }
 
 /// Builds the slot of an ordered partition: `(stream, partition, epoch, fence, paused)`.
-pub type PartitionFactory = std::rc::Rc<dyn Fn(&str, u32, u64, crate::cluster::Fence, bool) -> Option<SlotSpec>>;
+pub type PartitionFactory = std::rc::Rc<dyn Fn(&str, u32, u64, crate::fence::Fence, bool) -> Option<SlotSpec>>;
 
 impl std::fmt::Debug for Container {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -1156,7 +1156,7 @@ mod tests {
             .start();
         let mut ids = Vec::new();
         for _ in 0..100 {
-            let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
+            let fence = crate::fence::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
             let add = AddSlot { stream: "in".into(), partition: 3, epoch: 1, fence, paused: false, start: None };
             let id = container.send(add).await.expect("container").expect("a slot");
             ids.push(id);
@@ -1218,7 +1218,7 @@ mod tests {
         let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
             .observed_by(observer.recipient(), factory)
             .start();
-        let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
+        let fence = crate::fence::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
         let add = AddSlot { stream: "in".into(), partition: 0, epoch: 1, fence, paused: false, start: None };
         let id = container.send(add).await.expect("container").expect("a slot");
         for _ in 0..600 {
