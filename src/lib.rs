@@ -36,9 +36,11 @@
 //!   [`StoreDef`](prelude::StoreDef), [`Producer`](prelude::Producer) (feeding a job
 //!   from any program), [`NodeArgs`](prelude::NodeArgs).
 //! * [`actors`]: the run loop as actix actors (task workers, container, timer service,
-//!   reaper, membership) and the plain-data decisions they act on.
-//! * [`node`]: a node process, the control plane's client (`status`, `drain`, `stop`,
-//!   `dlq`, `publish`) and the `flotilla` command-line tool.
+//!   reaper) and the plain-data decisions they act on.
+//! * [`node`]: a node process, the cluster layer (joining, membership, leases;
+//!   `job.start_node(…)` with [`JoinCluster`](prelude::JoinCluster)), the control
+//!   plane's client (`status`, `drain`, `stop`, `dlq`, `publish`) and the `flotilla`
+//!   command-line tool.
 //! * [`transport`]: the wire format, the codec, the broker interface and its JetStream
 //!   and embedded backends.
 //!
@@ -67,6 +69,7 @@ pub mod prelude {
         FailurePolicy, Job, MessageMeta, Misfire, Producer, ProducerError, RetryPolicy, Sent, ShutdownScope, Store,
         StoreDef, StreamDef, Task, TaskConfig, TaskContext, TaskError,
     };
+    pub use flotilla_node::cluster::JoinCluster;
     pub use flotilla_node::connect::{BrokerChoice, connect};
     pub use flotilla_node::{JobRunner, NodeArgs, NodeError};
     pub use flotilla_transport::broker::{

@@ -26,7 +26,7 @@ pub async fn is_parked(
 ) -> Result<bool, BrokerError> {
     let bucket = subjects.bucket_name(cluster::CONTROL);
     let record: ParkedRecord = match broker.kv_get(&bucket, keys::PARKED).await {
-        Ok(Some(e)) => serde_json::from_slice(&e.value).unwrap_or_default(),
+        Ok(Some(e)) => cluster::decode(keys::PARKED, &e.value).unwrap_or_default(),
         Ok(None) | Err(BrokerError::BucketNotFound { .. }) => ParkedRecord::default(),
         Err(e) => return Err(e),
     };

@@ -52,7 +52,7 @@ pub async fn run(broker: SharedBroker, label: &str, job: &str, keys: u64) -> any
         let key = store::hex(&codec.encode(&k)?);
         let record = Record { generation: 1, flush: 1, value: Some(codec.encode(&k)?), committed: None };
         batch.push(OutboundMessage::new(
-            format!("$KV.{bucket}.{}", store::record_key(prefix, BIG.name(), &key)),
+            Subjects::kv_subject(&bucket, &store::record_key(prefix, BIG.name(), &key)),
             record.encode(),
         ));
         if batch.len() == 4096 || k + 1 == keys {
@@ -64,7 +64,7 @@ pub async fn run(broker: SharedBroker, label: &str, job: &str, keys: u64) -> any
     let commit = CommitRecord { generation: 1, flush: 1, position: 0, hooks: 0, epoch: 0, earlier: Vec::new() };
     broker
         .publish(OutboundMessage::new(
-            format!("$KV.{bucket}.{}", store::commit_key(prefix)),
+            Subjects::kv_subject(&bucket, &store::commit_key(prefix)),
             bytes::Bytes::from(serde_json::to_vec(&commit)?),
         ))
         .await?;

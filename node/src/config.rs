@@ -320,8 +320,8 @@ impl NodeConfig {
     ///
     /// # Errors
     /// [`ConfigError::Value`] for a lease TTL under 1s or over 10 minutes, or zero moves.
-    pub fn cluster_config(&self) -> Result<flotilla_actors::cluster::ClusterConfig, ConfigError> {
-        let mut c = flotilla_actors::cluster::ClusterConfig::default();
+    pub fn cluster_config(&self) -> Result<flotilla_proto::cluster::control::ClusterConfig, ConfigError> {
+        let mut c = flotilla_proto::cluster::control::ClusterConfig::default();
         if let Some(ttl) = self.cluster.lease_ttl {
             if !(Duration::from_secs(1)..=Duration::from_secs(600)).contains(&ttl) {
                 return Err(ConfigError::Value {

@@ -1,7 +1,7 @@
 //! A Flotilla node process: choosing and connecting the broker, running a job with
-//! flags, logging and signals, joining the cluster (membership and leases run in
-//! `flotilla-actors`), and the control plane's client side for the `flotilla` CLI and
-//! job binaries.
+//! flags, logging and signals, the cluster layer ([`cluster`]: joining, membership,
+//! leases, the control server, host and pid checks), and the control plane's client
+//! side for the `flotilla` CLI and job binaries.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -29,6 +29,7 @@ pub fn output_failed(e: std::io::Error) -> ! {
     std::process::exit(1);
 }
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod connect;
 pub mod dlq;
@@ -42,4 +43,5 @@ pub mod top;
 /// The control client under its first name: `flotilla_node::control::…` paths keep working.
 pub use client as control;
 pub use client::{ControlClient, ControlCommand};
+pub use cluster::{JoinCluster, start_node};
 pub use runner::{JobRunner, NodeArgs, NodeError, NodeHandle, run};

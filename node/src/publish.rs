@@ -12,10 +12,10 @@
 //! have is refused before anything is sent.
 
 use crate::client::ControlError;
-use flotilla_actors::cluster::{TopologyRecord, keys};
-use flotilla_actors::membership::Buckets;
+use crate::cluster::Buckets;
 use flotilla_actors::store::{hex, unhex};
 use flotilla_actors::{StreamKind, StreamType};
+use flotilla_proto::cluster::control::{TopologyRecord, decode, keys};
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker};
 use flotilla_transport::clock::unix_millis;
 use flotilla_transport::topology;
@@ -182,7 +182,7 @@ async fn layout_on_server(
     // A stream made before streams listed their partitions: the job's inputs say how many.
     let control = Buckets::new(subjects).control;
     if let Ok(Some(entry)) = broker.kv_get(&control, keys::TOPOLOGY).await
-        && let Ok(topology) = serde_json::from_slice::<TopologyRecord>(&entry.value)
+        && let Ok(topology) = decode::<TopologyRecord>(keys::TOPOLOGY, &entry.value)
         && let Some(partitions) =
             topology.inputs.iter().find(|i| i.stream == stream.as_str()).and_then(|i| i.partitions)
     {

@@ -7,6 +7,7 @@
 //! is handed back, positions are committed); a second one exits at once.
 
 use crate::client::ControlCommand;
+use crate::cluster::JoinCluster;
 use crate::config::{ConfigError, ConnectConfig, NodeConfig, Urls};
 use crate::connect::{BrokerChoice, connect};
 use flotilla_actors::{Job, JobError, JobStopper, Producer, StreamType};

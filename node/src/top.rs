@@ -173,7 +173,7 @@ pub async fn run(client: &ControlClient, interval: Duration, once: bool) -> Resu
 mod tests {
     use super::*;
     use crate::client::PartitionStatus;
-    use flotilla_actors::cluster::{NodeStatus, PauseRecord};
+    use flotilla_proto::cluster::control::{NodeStatus, PauseRecord};
 
     fn partition(p: u32, owner: Option<&str>, deliveries: u64, backlog: u64) -> PartitionStatus {
         PartitionStatus {

@@ -7,7 +7,8 @@
 //! * [`store`]: the changelog's records, how a restore resolves a key, and the claim a
 //!   new writer makes;
 //! * [`backoff`]: the retry policy and its one back-off;
-//! * [`cluster`]: the plan of which node holds which ordered partition;
+//! * [`cluster`]: the plan of which node holds which ordered partition, and the typed
+//!   control protocol (bucket records, requests, replies; one decode policy);
 //! * [`partitioner`]: the partition of a key (part of the wire format).
 //!
 //! `docs/architecture.md` says which crate decides and which performs.

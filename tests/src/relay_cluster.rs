@@ -178,7 +178,7 @@ impl RelayCluster {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
-            .env("FLOTILLA_LOG", "info,flotilla_actors::membership=debug")
+            .env("FLOTILLA_LOG", "info,flotilla_node::cluster::membership=debug")
             // A node's error must stay in the 40 log lines a failure shows, not be
             // pushed out by a backtrace.
             .env("RUST_BACKTRACE", "0");

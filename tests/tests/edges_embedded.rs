@@ -6,6 +6,7 @@
 use flotilla_actors::cluster::ClusterConfig;
 use flotilla_actors::{Job, RunningJob, StreamDef, Task, TaskContext, TaskError};
 use flotilla_node::ControlClient;
+use flotilla_node::cluster::JoinCluster;
 use flotilla_tests::{Record, count, read_messages};
 use flotilla_transport::EmbeddedBroker;
 use flotilla_transport::broker::{CoreMessage, OutboundMessage, SharedBroker};

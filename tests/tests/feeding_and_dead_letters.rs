@@ -3,6 +3,7 @@
 //! listed, shown, replayed after a fix (each record delivered once) and purged.
 
 use flotilla_actors::{Job, Producer, StreamDef, Task, TaskContext, TaskError};
+use flotilla_node::cluster::JoinCluster;
 use flotilla_node::dlq::DeadLetters;
 use flotilla_tests::{NatsServer, connect, count, flotilla_bin, read_messages, wait_count};
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker, StreamSpec};

@@ -4,6 +4,7 @@
 
 use bytes::Bytes;
 use flotilla_actors::{FailurePolicy, Job, JobError, StreamDef, Task, TaskContext, TaskError};
+use flotilla_node::cluster::JoinCluster;
 use flotilla_tests::{Record, read_messages};
 use flotilla_transport::EmbeddedBroker;
 use flotilla_transport::broker::{OutboundMessage, SharedBroker};

@@ -27,7 +27,7 @@ pub struct AddSlot {
     /// The lease epoch.
     pub epoch: u64,
     /// Valid while the lease is held.
-    pub fence: crate::cluster::Fence,
+    pub fence: crate::fence::Fence,
     /// Starts paused.
     pub paused: bool,
     /// Where the partition resumes.

@@ -183,7 +183,7 @@ pub struct Container {
 }
 
 /// Builds the slot of an ordered partition: `(stream, partition, epoch, fence, paused)`.
-pub type PartitionFactory = std::rc::Rc<dyn Fn(&str, u32, u64, crate::cluster::Fence, bool) -> Option<SlotSpec>>;
+pub type PartitionFactory = std::rc::Rc<dyn Fn(&str, u32, u64, crate::fence::Fence, bool) -> Option<SlotSpec>>;
 
 impl std::fmt::Debug for Container {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

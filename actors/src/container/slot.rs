@@ -59,7 +59,7 @@ pub struct SlotSpec {
     /// Cluster mode: the partition's lease fence. Nothing is claimed for the slot, and a
     /// restart does not reset the partition's consumer, once it is no longer valid (the
     /// lease may be someone else's by then, and so would the claimed messages be).
-    pub fence: Option<crate::cluster::Fence>,
+    pub fence: Option<crate::fence::Fence>,
     /// Starts paused.
     pub paused: bool,
     /// Starts the worker.

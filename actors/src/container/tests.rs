@@ -108,7 +108,7 @@ async fn slots_of_released_partitions_are_freed() {
         .start();
     let mut ids = Vec::new();
     for _ in 0..100 {
-        let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
+        let fence = crate::fence::Fence::until(tokio::time::Instant::now() + Duration::from_secs(60));
         let add = AddSlot { stream: "in".into(), partition: 3, epoch: 1, fence, paused: false, start: None };
         let id = container.send(add).await.expect("container").expect("a slot");
         ids.push(id);
@@ -170,7 +170,7 @@ async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
     let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
         .observed_by(observer.recipient(), factory)
         .start();
-    let fence = crate::cluster::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
+    let fence = crate::fence::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
     let add = AddSlot { stream: "in".into(), partition: 0, epoch: 1, fence, paused: false, start: None };
     let id = container.send(add).await.expect("container").expect("a slot");
     for _ in 0..600 {

@@ -5,6 +5,7 @@
 use crate::store::{self, Change, CommitRecord, Record, Resolution};
 use bytes::Bytes;
 use flotilla_transport::broker::{BrokerError, OutboundMessage, SharedBroker};
+use flotilla_transport::wire::Subjects;
 use futures::StreamExt;
 use std::sync::Arc;
 
@@ -23,7 +24,7 @@ pub(crate) struct Changelog {
 
 impl Changelog {
     fn subject(&self, key: &str) -> String {
-        format!("$KV.{}.{key}", self.bucket)
+        Subjects::kv_subject(&self.bucket, key)
     }
 }
 
@@ -233,7 +234,7 @@ async fn stored_revision(
     match result {
         Ok(ack) => Ok(ack.seq),
         Err(BrokerError::WrongLastSequence { subject, expected, actual }) => {
-            let key = subject.strip_prefix(&format!("$KV.{bucket}.")).unwrap_or(&subject).to_owned();
+            let key = Subjects::kv_key(bucket, &subject).unwrap_or(&subject).to_owned();
             match broker.kv_get(bucket, &key).await? {
                 // A record or commit record is unique (its writer's generation and flush
                 // are in it): the key holding its bytes means an earlier try stored it.

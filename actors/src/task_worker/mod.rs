@@ -109,7 +109,7 @@ pub struct Binding {
     pub epoch: u64,
     /// Whether this node may still act for the partition (cluster mode): once it is not
     /// valid, the worker starts, publishes and commits nothing more and stops.
-    pub fence: Option<crate::cluster::Fence>,
+    pub fence: Option<crate::fence::Fence>,
     /// Ordered inputs: where the partition resumed, when known.
     pub start: Option<PartitionStart>,
 }

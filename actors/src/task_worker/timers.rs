@@ -93,7 +93,7 @@ impl Change {
     /// The record of this change to the timer at `key`, published with the callback's
     /// outputs (a KV put on the `ARMINGS` bucket).
     pub(crate) fn record(&self, subjects: &Subjects, key: &str) -> OutboundMessage {
-        OutboundMessage::new(format!("$KV.{}.{key}", subjects.bucket_name(ARMINGS)), self.encode())
+        OutboundMessage::new(Subjects::kv_subject(&subjects.bucket_name(ARMINGS), key), self.encode())
     }
 }
 

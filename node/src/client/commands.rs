@@ -2,7 +2,7 @@
 //! runs, and its exit code.
 
 use super::{ControlClient, ControlError, print_status};
-use flotilla_actors::cluster::PauseRecord;
+use flotilla_proto::cluster::control::PauseRecord;
 use flotilla_transport::broker::SharedBroker;
 use std::time::Duration;
 

@@ -1,8 +1,9 @@
 //! `drain` and `drain --cancel`, and the pending drain `status` shows.
 
 use super::{ControlClient, ControlError, json};
-use flotilla_actors::cluster::{
-    self, DrainedRecord, LeaseRecord, RequestRecord, RunRecord, TopologyRecord, keys, now_ms,
+use flotilla_actors::cluster::now_ms;
+use flotilla_proto::cluster::control::{
+    self as cluster, DrainedRecord, LeaseRecord, RequestRecord, RunRecord, TopologyRecord, decode, keys,
 };
 use flotilla_transport::broker::{BrokerError, OutboundMessage};
 use flotilla_transport::wire::{MessageId, StreamName, Subjects, headers};
@@ -31,7 +32,7 @@ impl ControlClient {
         topology: &TopologyRecord,
     ) -> Result<Option<PendingDrain>, ControlError> {
         let Some(entry) = self.broker.kv_get(&self.buckets.control, keys::DRAIN).await? else { return Ok(None) };
-        let Ok(record) = serde_json::from_slice::<RequestRecord>(&entry.value) else { return Ok(None) };
+        let Ok(record) = decode::<RequestRecord>(keys::DRAIN, &entry.value) else { return Ok(None) };
         if record.run_id != run {
             return Ok(None);
         }
@@ -39,12 +40,12 @@ impl ControlClient {
         let mut drained = 0;
         for (stream, p) in &parts {
             let drained_here = match self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await? {
-                Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                Some(e) => decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == run),
                 None => false,
             };
             // An ended partition never reaches a drain marker: it counts as done.
             let ended_here = match self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await? {
-                Some(e) => serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
+                Some(e) => decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == run),
                 None => false,
             };
             if drained_here || ended_here {
@@ -155,11 +156,11 @@ impl ControlClient {
             let mut done = BTreeSet::new();
             for (stream, p) in &parts {
                 if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
-                    && serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                    && decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == current)
                 {
                     done.insert((stream.clone(), *p));
                 } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
-                    && serde_json::from_slice::<cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == current)
+                    && decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == current)
                 {
                     // Ended in this run: no marker will be reached there.
                     done.insert((stream.clone(), *p));
@@ -195,7 +196,7 @@ impl ControlClient {
                         .map(|c| c.ack_floor)
                         .unwrap_or(0);
                     let owner = match self.broker.kv_get(&self.buckets.leases, &keys::lease(stream, *p)).await? {
-                        Some(e) => serde_json::from_slice::<LeaseRecord>(&e.value).map(|l| l.node).unwrap_or_default(),
+                        Some(e) => decode::<LeaseRecord>("lease", &e.value).map(|l| l.node).unwrap_or_default(),
                         None => "nobody".into(),
                     };
                     let marker = markers.get(&(stream.clone(), *p)).copied().unwrap_or(0);

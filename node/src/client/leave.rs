@@ -1,7 +1,8 @@
 //! `stop` and `shutdown`: nodes leave gracefully, and the client waits until they have.
 
 use super::{ControlClient, ControlError, json};
-use flotilla_actors::cluster::{RequestRecord, keys, now_ms};
+use flotilla_actors::cluster::now_ms;
+use flotilla_proto::cluster::control::{RequestRecord, keys};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 

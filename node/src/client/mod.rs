@@ -18,8 +18,10 @@ pub use commands::{ControlCommand, exit_code, run_command, run_command_typed};
 pub use drain::PendingDrain;
 pub use status::{ClusterStatus, PartitionStatus, print_status};
 
-use flotilla_actors::cluster::{self, ControlReply, ControlRequest, RunRecord, TopologyRecord, keys};
-use flotilla_actors::membership::Buckets;
+use crate::cluster::Buckets;
+use flotilla_proto::cluster::control::{
+    self as cluster, ControlReply, ControlRequest, RunRecord, TopologyRecord, decode, keys,
+};
 use flotilla_transport::broker::{BrokerError, CoreMessage, SharedBroker};
 use flotilla_transport::wire::{JobName, MessageId, Subjects};
 use futures::StreamExt;
@@ -89,7 +91,7 @@ impl ControlClient {
     /// Broker failures.
     pub async fn topology(&self) -> Result<TopologyRecord, ControlError> {
         Ok(match self.broker.kv_get(&self.buckets.control, keys::TOPOLOGY).await? {
-            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+            Some(e) => decode(keys::TOPOLOGY, &e.value).unwrap_or_default(),
             None => TopologyRecord::default(),
         })
     }
@@ -100,7 +102,7 @@ impl ControlClient {
     /// Broker failures.
     pub async fn run_id(&self) -> Result<Option<String>, ControlError> {
         Ok(match self.broker.kv_get(&self.buckets.control, keys::RUN).await? {
-            Some(e) => serde_json::from_slice::<RunRecord>(&e.value).ok().map(|r| r.run_id),
+            Some(e) => decode::<RunRecord>(keys::RUN, &e.value).ok().map(|r| r.run_id),
             None => None,
         })
     }
@@ -149,7 +151,7 @@ impl ControlClient {
                 }
                 match tokio::time::timeout_at(deadline, sub.next()).await {
                     Ok(Some(m)) => {
-                        if let Ok(r) = serde_json::from_slice::<ControlReply>(&m.payload) {
+                        if let Ok(r) = decode::<ControlReply>("control reply", &m.payload) {
                             replies.entry(r.node.clone()).or_insert(r);
                         }
                     }

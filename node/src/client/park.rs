@@ -1,7 +1,7 @@
 //! `park`, `unpark` and `step --key`: one key of a queue input set aside and let back.
 
 use super::{ControlClient, ControlError, json};
-use flotilla_actors::cluster::{ParkedRecord, keys};
+use flotilla_proto::cluster::control::{ParkedRecord, decode, keys};
 use flotilla_transport::broker::BrokerError;
 use flotilla_transport::wire::StreamName;
 use std::time::Duration;
@@ -63,7 +63,7 @@ impl ControlClient {
         for _ in 0..10 {
             let entry = self.broker.kv_get(&self.buckets.control, keys::PARKED).await?;
             let mut record: ParkedRecord =
-                entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+                entry.as_ref().and_then(|e| decode(keys::PARKED, &e.value).ok()).unwrap_or_default();
             let keys = record.keys.entry(stream.to_owned()).or_default();
             let changed = if on { keys.insert(key.to_owned()) } else { keys.remove(key) };
             record.keys.retain(|_, k| !k.is_empty());

@@ -1,7 +1,7 @@
 //! `pause`, `resume` and `step` of a paused partition.
 
 use super::{ControlClient, ControlError, json};
-use flotilla_actors::cluster::{PauseRecord, keys};
+use flotilla_proto::cluster::control::{PauseRecord, decode, keys};
 use flotilla_transport::broker::BrokerError;
 use std::collections::BTreeSet;
 
@@ -20,7 +20,7 @@ impl ControlClient {
         let record = loop {
             let entry = self.broker.kv_get(&self.buckets.control, keys::PAUSED).await?;
             let mut record: PauseRecord =
-                entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
+                entry.as_ref().and_then(|e| decode(keys::PAUSED, &e.value).ok()).unwrap_or_default();
             match (stream, partition) {
                 (None, _) => record.job = paused,
                 (Some(s), None) => set(&mut record.streams, s.to_owned(), paused),

@@ -2,8 +2,9 @@
 //! job, and its printing as tables.
 
 use super::{ControlClient, ControlError, PendingDrain};
-use flotilla_actors::cluster::{
-    ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, ParkedRecord, PauseRecord, SlotStatus, keys, now_ms,
+use flotilla_actors::cluster::now_ms;
+use flotilla_proto::cluster::control::{
+    ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, ParkedRecord, PauseRecord, SlotStatus, decode, keys,
 };
 use flotilla_transport::broker::BrokerError;
 use flotilla_transport::wire::{StreamName, Subjects};
@@ -121,7 +122,7 @@ impl ControlClient {
         };
         let lease = match p {
             Some(p) => match self.broker.kv_get(&self.buckets.leases, &keys::lease(&stream, p)).await? {
-                Some(e) => serde_json::from_slice::<LeaseRecord>(&e.value).ok(),
+                Some(e) => decode::<LeaseRecord>("lease", &e.value).ok(),
                 None => None,
             },
             None => None,
@@ -129,7 +130,7 @@ impl ControlClient {
         let drained = match (p, &run_id) {
             (Some(p), Some(run)) => {
                 match self.broker.kv_get(&self.buckets.control, &keys::drained(&stream, p)).await? {
-                    Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| &r.run_id == run),
+                    Some(e) => decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| &r.run_id == run),
                     None => false,
                 }
             }
@@ -180,7 +181,7 @@ impl ControlClient {
         }
         let silent = members.iter().filter(|m| !nodes.iter().any(|n| &n.node == *m)).cloned().collect();
         let paused: PauseRecord = match self.broker.kv_get(&self.buckets.control, keys::PAUSED).await? {
-            Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
+            Some(e) => decode(keys::PAUSED, &e.value).unwrap_or_default(),
             None => PauseRecord::default(),
         };
         // Every partition's consumer, lease and drain record: read 64 at a time, in
@@ -229,7 +230,7 @@ impl ControlClient {
             None => None,
         };
         let parked_keys = match self.broker.kv_get(&self.buckets.control, keys::PARKED).await? {
-            Some(e) => serde_json::from_slice::<ParkedRecord>(&e.value).unwrap_or_default().keys,
+            Some(e) => decode::<ParkedRecord>(keys::PARKED, &e.value).unwrap_or_default().keys,
             None => BTreeMap::new(),
         };
         let parked_messages =

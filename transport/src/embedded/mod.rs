@@ -244,7 +244,7 @@ impl Inner {
     ) -> BrokerResult<u64> {
         self.check("KV write")?;
         compare::validate_key(key)?;
-        let mut msg = OutboundMessage::new(format!("$KV.{bucket}.{key}"), value);
+        let mut msg = OutboundMessage::new(crate::wire::Subjects::kv_subject(bucket, key), value);
         self.check_write(&msg.subject)?;
         msg.headers = State::kv_headers(op);
         msg.expected_last_subject_seq = expect;
@@ -255,7 +255,7 @@ impl Inner {
     fn kv_current(&self, bucket: &str, key: &str) -> BrokerResult<Option<KvEntry>> {
         self.check("KV read")?;
         compare::validate_key(key)?;
-        let subject = format!("$KV.{bucket}.{key}");
+        let subject = crate::wire::Subjects::kv_subject(bucket, key);
         self.check_read(&subject)?;
         self.with_bucket(bucket, |s, _| s.last_for_subject(&subject).and_then(|seq| s.kv_entry(seq)))
     }
@@ -598,7 +598,7 @@ impl Broker for EmbeddedBroker {
             return ready(Err(e));
         }
         let result = self.inner.with_bucket(bucket, |s, _| {
-            let pattern = format!("$KV.{bucket}.{key}");
+            let pattern = crate::wire::Subjects::kv_subject(bucket, key);
             let (tx, rx) = mpsc::unbounded_channel();
             for e in s.kv_current(&pattern) {
                 let _ = tx.send(Ok(e));
@@ -614,7 +614,7 @@ impl Broker for EmbeddedBroker {
             return ready(Err(e));
         }
         let result = self.inner.with_bucket(bucket, |s, _| {
-            let entries = s.kv_current(&format!("$KV.{bucket}.{key}"));
+            let entries = s.kv_current(&crate::wire::Subjects::kv_subject(bucket, key));
             futures::stream::iter(entries.into_iter().map(Ok)).boxed()
         });
         ready(result)

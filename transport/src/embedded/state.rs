@@ -375,7 +375,7 @@ impl Stream {
     pub fn kv_entry(&self, seq: u64) -> Option<KvEntry> {
         let bucket = self.kv_bucket.as_ref()?;
         let m = self.msgs.get(&seq)?;
-        let key = m.subject.strip_prefix(&format!("$KV.{bucket}."))?.to_owned();
+        let key = crate::wire::Subjects::kv_key(bucket, &m.subject)?.to_owned();
         let operation = match m.headers.get(KV_OPERATION) {
             Some("DEL") => KvOperation::Delete,
             Some("PURGE") => KvOperation::Purge,

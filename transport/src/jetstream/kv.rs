@@ -128,7 +128,7 @@ impl Inner {
     pub(super) async fn kv_scan(&self, bucket: String, key: String) -> BrokerResult<BoxStream<BrokerResult<KvEntry>>> {
         let store = self.kv_store(&bucket).await?;
         let op = format!("KV scan {bucket}/{key}");
-        let prefix = format!("$KV.{bucket}.");
+        let prefix = crate::wire::Subjects::kv_prefix(&bucket);
         // An ordered push consumer of the last message per key, as async-nats'
         // `keys()` reads a bucket, but with the values: it ends when the server
         // says nothing is pending.

@@ -152,11 +152,39 @@ impl Subjects {
     pub fn queue_consumer(stream: &StreamName) -> String {
         format!("{stream}-workers")
     }
+
+    /// `$KV.<bucket>.<key>`: the subject a write of `key` in the KV bucket named
+    /// `bucket` (a full name, as [`bucket_name`](Self::bucket_name) makes it) goes to,
+    /// so a put can be published with other messages.
+    pub fn kv_subject(bucket: &str, key: &str) -> String {
+        format!("{}{key}", Self::kv_prefix(bucket))
+    }
+
+    /// `$KV.<bucket>.`: what every key subject of the KV bucket named `bucket` starts with.
+    pub fn kv_prefix(bucket: &str) -> String {
+        format!("$KV.{bucket}.")
+    }
+
+    /// The key a subject of the KV bucket named `bucket` writes, or `None` when the
+    /// subject is not one of the bucket's ([`kv_subject`](Self::kv_subject) undone).
+    pub fn kv_key<'a>(bucket: &str, subject: &'a str) -> Option<&'a str> {
+        subject.strip_prefix("$KV.")?.strip_prefix(bucket)?.strip_prefix('.')
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_subjects_round_trip() {
+        let s = Subjects::kv_subject("FLOTILLA_j_STATE", "in.3.c");
+        assert_eq!(s, "$KV.FLOTILLA_j_STATE.in.3.c");
+        assert!(s.starts_with(&Subjects::kv_prefix("FLOTILLA_j_STATE")));
+        assert_eq!(Subjects::kv_key("FLOTILLA_j_STATE", &s), Some("in.3.c"));
+        assert_eq!(Subjects::kv_key("FLOTILLA_j_STAT", &s), None);
+        assert_eq!(Subjects::kv_key("FLOTILLA_j_STATE", "flotilla.j.in.3"), None);
+    }
 
     #[test]
     fn subjects_follow_the_contract() {

@@ -25,13 +25,15 @@
 //!     .max_concurrency(16); // the refunds task only
 //! ```
 
-use crate::cluster::{
-    self, ClusterConfig, DrainedRecord, Fence, InputRecord, NodeRecord, RequestRecord, RunRecord, TopologyRecord, keys,
-    now_ms,
-};
+mod member;
+mod running;
+
+pub use member::{JobExit, Member, TakeoverSpec};
+pub use running::{DEREGISTER_BUDGET, Deregister, JobStopper, Leave, LeaveReason, NodeLink, RunningJob};
+
 use crate::config::{ConfigError, FailurePolicy, TaskConfig};
-use crate::container::{Container, ContainerConfig, ContainerExit, SlotContext, SlotSpec, StopContainer, WorkerHandle};
-use crate::membership::{Buckets, ControlMessage, Deregister, Leave, LeaveReason, Membership, MembershipSetup};
+use crate::container::{Container, ContainerConfig, SlotContext, SlotSpec, WorkerHandle};
+use crate::fence::Fence;
 use crate::reaper::Reaper;
 use crate::retry::RetryPolicy;
 use crate::stream::{StreamDef, StreamKind, StreamType};
@@ -45,7 +47,6 @@ use flotilla_transport::wire::{Codec, JobName, MessageId, NameError, StreamName,
 use std::rc::Rc;
 use std::time::Duration;
 use tokio::sync::oneshot;
-use tracing::{info, warn};
 
 /// The most replicas a JetStream stream can have.
 pub const MAX_REPLICAS: usize = 5;
@@ -53,11 +54,14 @@ pub const MAX_REPLICAS: usize = 5;
 /// How long a starting node keeps retrying what fails for a passing reason (the
 /// broker unreachable, slow, or electing a leader, as a replicated stream or bucket
 /// does while it is created or a server restarts) before it gives up.
-const STARTUP_PATIENCE: Duration = Duration::from_secs(30);
+pub const STARTUP_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Runs `op` until it succeeds, fails for good, or transient errors have lasted
 /// [`STARTUP_PATIENCE`]; jittered backoff between tries.
-async fn patiently<T, Fut>(what: &str, mut op: impl FnMut() -> Fut) -> Result<T, JobError>
+///
+/// # Errors
+/// What `op` returned last: an error that does not pass, or one that lasted too long.
+pub async fn patiently<T, Fut>(what: &str, mut op: impl FnMut() -> Fut) -> Result<T, JobError>
 where
     Fut: std::future::Future<Output = Result<T, JobError>>,
 {
@@ -604,7 +608,7 @@ impl Job {
         let container_config = self.stopping_config();
         let stop_deadline = container_config.stop_timeout;
         let container = Container::new(broker, subjects, container_config, slots, timers, reaper, tx).start();
-        Ok(RunningJob { container, exit: rx, run_id: env.run_id.clone(), membership: None, stop_deadline })
+        Ok(RunningJob::alone(container, JobExit { exit: rx, stop_deadline }, env.run_id.clone()))
     }
 
     /// The container's settings, its stop bounded by the tasks' drain timeouts: a worker
@@ -616,253 +620,6 @@ impl Job {
         let drain = self.tasks.iter().map(|t| t.config.drain_timeout).max().unwrap_or_default();
         let bound = drain + crate::task_worker::FINISH_BUDGET + Duration::from_secs(1);
         ContainerConfig { stop_timeout: self.container.stop_timeout.min(bound), ..self.container.clone() }
-    }
-
-    /// Provisions and starts the job as one node of a cluster (DESIGN §7): registers
-    /// `node` in the NODES bucket (refusing a node id that is alive), joins the
-    /// cluster's run, consumes the queue inputs at once and the ordered partitions whose
-    /// leases it acquires, and follows the desired state and control requests.
-    ///
-    /// # Errors
-    /// [`JobError::NodeIdTaken`] when another live node has this id, and whatever
-    /// [`start`](Self::start) refuses.
-    pub async fn start_node(
-        self,
-        broker: SharedBroker,
-        node: &str,
-        config: ClusterConfig,
-    ) -> Result<RunningJob, JobError> {
-        if node.is_empty() || !node.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            return Err(JobError::NodeIdInvalid(node.to_owned()));
-        }
-        self.provision(broker.clone()).await?;
-        // A claim sent just before a partition's fence closes must end on the server
-        // before the lease can expire (at a third of the TTL after the fence), or it
-        // could take messages from the next owner's consumer.
-        let mut this = self;
-        this.container.claim_wait = this.container.claim_wait.min(config.lease_ttl / 4);
-        // A released partition is handed over only once its claim is back: idle
-        // partitions must not wait longer than busy ones.
-        this.container.idle_claim_wait = this.container.claim_wait;
-        let subjects = Subjects::new(JobName::new(this.name.clone())?);
-        let b = Buckets::new(&subjects);
-        for (bucket, ttl) in [(cluster::NODES, config.node_ttl), (cluster::LEASES, config.lease_ttl)] {
-            let spec = topology::bucket(&subjects, bucket, Some(ttl)).with_replicas(this.replicas);
-            match patiently("create the cluster's buckets", || async { Ok(broker.ensure_kv(spec.clone()).await?) })
-                .await
-            {
-                Ok(()) => {}
-                Err(JobError::Broker(BrokerError::ConfigMismatch { field, existing, .. })) if field == "max_age" => {
-                    return Err(JobError::Misconfigured {
-                        job: this.name.clone(),
-                        problem: format!(
-                            "the cluster runs with a lease TTL of {} (bucket KV_{}), this node asks for {ttl:?}: every node of a job must use the same TTL. Start it with --lease-ttl matching the others, or stop every node and delete the buckets KV_{} and KV_{} to change it",
-                            existing.trim_start_matches("Some(").trim_end_matches(')'),
-                            subjects.bucket_name(bucket),
-                            subjects.bucket_name(cluster::NODES),
-                            subjects.bucket_name(cluster::LEASES),
-                        ),
-                    });
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let control = topology::bucket(&subjects, cluster::CONTROL, None).with_replicas(this.replicas);
-        patiently("create the cluster's buckets", || async { Ok(broker.ensure_kv(control.clone()).await?) }).await?;
-
-        let record = NodeRecord {
-            node: node.to_owned(),
-            pid: std::process::id(),
-            host: host_name(),
-            started_ms: now_ms(),
-            incarnation: MessageId::new_v7().to_string(),
-        };
-        let incarnation = record.incarnation.clone();
-        let node_value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-        let register = || async {
-            match broker.kv_create(&b.nodes, node, node_value.clone()).await {
-                // A create whose reply was lost may have been stored: ours, if it
-                // holds this incarnation.
-                Err(BrokerError::KvKeyExists { .. }) => match broker.kv_get(&b.nodes, node).await? {
-                    Some(entry) if entry.value == node_value => Ok(entry.revision),
-                    _ => Err(BrokerError::KvKeyExists { bucket: b.nodes.clone(), key: node.to_owned() }.into()),
-                },
-                other => Ok(other?),
-            }
-        };
-        let node_revision = match patiently("register the node", register).await {
-            Ok(rev) => rev,
-            Err(JobError::Broker(BrokerError::KvKeyExists { .. })) => {
-                // Restart in place: the id is this node's again if its holder is gone.
-                let beat = config.lease_ttl.min(config.node_ttl) / 4;
-                match take_over_node_id(&broker, &b.nodes, &record, node_value.clone(), beat).await? {
-                    Ok(rev) => rev,
-                    Err(holder) => {
-                        return Err(JobError::NodeIdTaken {
-                            job: this.name.clone(),
-                            node: node.to_owned(),
-                            holder,
-                            ttl: config.node_ttl,
-                        });
-                    }
-                }
-            }
-            Err(e) => return Err(e),
-        };
-        match this.join(broker.clone(), &subjects, &b, (node, incarnation), node_value, node_revision, config).await {
-            Ok(running) => Ok(running),
-            Err(e) => {
-                // Do not block a restart with this id for a whole TTL.
-                let _ = broker.kv_delete(&b.nodes, node, Some(node_revision)).await;
-                Err(e)
-            }
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn join(
-        self,
-        broker: SharedBroker,
-        subjects: &Subjects,
-        b: &Buckets,
-        (node, incarnation): (&str, String),
-        node_value: bytes::Bytes,
-        node_revision: u64,
-        config: ClusterConfig,
-    ) -> Result<RunningJob, JobError> {
-        let topology = TopologyRecord {
-            inputs: self
-                .tasks
-                .iter()
-                .map(|t| InputRecord {
-                    stream: t.stream.to_owned(),
-                    partitions: match t.kind {
-                        StreamKind::Ordered { partitions } => Some(partitions),
-                        StreamKind::Queue => None,
-                    },
-                })
-                .collect(),
-        };
-        let read_control_state = || async {
-            let run_id = current_run(&broker, b, &topology, self.run_id.clone()).await?;
-            broker.kv_put(&b.control, keys::TOPOLOGY, json(&topology)).await?;
-            // A stop request for an earlier process with this id is not for this one.
-            if broker.kv_get(&b.control, &keys::stop(node)).await?.is_some() {
-                broker.kv_delete(&b.control, &keys::stop(node), None).await?;
-            }
-            let shutdown_seen = broker.kv_get(&b.control, keys::SHUTDOWN).await?.map_or(0, |e| e.revision);
-            let paused: cluster::PauseRecord = match broker.kv_get(&b.control, keys::PAUSED).await? {
-                Some(e) => serde_json::from_slice(&e.value).unwrap_or_default(),
-                None => cluster::PauseRecord::default(),
-            };
-            Ok((run_id, shutdown_seen, paused))
-        };
-        let (run_id, shutdown_seen, paused) = patiently("read the cluster's desired state", read_control_state).await?;
-
-        let env = Rc::new(
-            TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id.clone()).with_replicas(self.replicas),
-        );
-        let mut slots = Vec::new();
-        let mut queue_slots = Vec::new();
-        let mut ordered = Vec::new();
-        let container_config = self.stopping_config();
-        let tasks: Rc<Vec<TaskEntry>> = Rc::new(self.tasks);
-        for t in tasks.iter() {
-            let name = StreamName::new(t.stream)?;
-            match t.kind {
-                StreamKind::Ordered { partitions } => ordered.push((t.stream.to_owned(), partitions)),
-                StreamKind::Queue => {
-                    queue_slots.push((slots.len(), t.stream.to_owned()));
-                    let mut spec = slot(
-                        t,
-                        &env,
-                        None,
-                        slots.len(),
-                        subjects.stream_name(&name),
-                        Subjects::queue_consumer(&name),
-                        t.config.max_concurrency,
-                        None,
-                    );
-                    spec.paused = paused.covers(t.stream, None);
-                    slots.push(spec);
-                }
-            }
-        }
-        let factory_env = env.clone();
-        let factory_subjects = subjects.clone();
-        let factory_tasks = tasks.clone();
-        let factory: crate::container::PartitionFactory = Rc::new(move |stream, p, epoch, fence, paused| {
-            let t = factory_tasks.iter().find(|t| t.stream == stream)?;
-            let name = StreamName::new(t.stream).ok()?;
-            let c = &t.config;
-            let mut spec = slot(
-                t,
-                &factory_env,
-                Some(p),
-                0,
-                factory_subjects.stream_name(&name),
-                Subjects::partition_consumer(&name, p),
-                c.window as usize,
-                Some((epoch, fence)),
-            );
-            spec.takeover = Some(partition_spec(&factory_subjects, t, &name, p));
-            spec.paused = paused;
-            Some(spec)
-        });
-        let takeover_subjects = subjects.clone();
-        let takeover: crate::membership::TakeoverSpec = Rc::new(move |stream, p| {
-            let t = tasks.iter().find(|t| t.stream == stream)?;
-            let name = StreamName::new(t.stream).ok()?;
-            Some((takeover_subjects.stream_name(&name), partition_spec(&takeover_subjects, t, &name, p)))
-        });
-
-        // Control requests reach the membership actor as messages; the subscriptions
-        // live in its context, so they end when it stops.
-        let mut control = Vec::new();
-        for pattern in [subjects.control("all.*"), subjects.control(&format!("node.{node}.*"))] {
-            control.push(broker.subscribe(&pattern, None).await?);
-        }
-        let (timers, reaper) = node_services(&broker, subjects);
-        let (tx, rx) = oneshot::channel();
-        let mut membership_ctx = Context::<Membership>::new();
-        for requests in control {
-            use futures::StreamExt;
-            membership_ctx.add_message_stream(requests.map(ControlMessage));
-        }
-        let membership = membership_ctx.address();
-        let stop_deadline = container_config.stop_timeout;
-        let container = Container::new(
-            broker.clone(),
-            subjects.clone(),
-            container_config,
-            slots,
-            timers.clone(),
-            reaper.clone(),
-            tx,
-        )
-        .observed_by(membership.clone().recipient(), factory)
-        .start();
-        let (left, _) = tokio::sync::watch::channel(None);
-        membership_ctx.run(Membership::new(MembershipSetup {
-            broker: broker.clone(),
-            subjects: subjects.clone(),
-            node: node.to_owned(),
-            incarnation,
-            node_revision,
-            node_value,
-            run_id: run_id.clone(),
-            config,
-            ordered,
-            queue_slots,
-            takeover,
-            container: container.clone(),
-            timers,
-            reaper,
-            shutdown_seen,
-            left: left.clone(),
-            parked: env.parked.clone(),
-        }));
-        Ok(RunningJob { container, exit: rx, run_id, membership: Some((membership, left)), stop_deadline })
     }
 }
 
@@ -881,150 +638,6 @@ fn node_services(broker: &SharedBroker, subjects: &Subjects) -> (Addr<TimerServi
 /// The consumer of partition `p` of `t`'s input, as provisioned.
 fn partition_spec(subjects: &Subjects, t: &TaskEntry, name: &StreamName, p: u32) -> ConsumerSpec {
     topology::partition_consumer(subjects, name, p, t.config.ack_wait, t.config.window)
-}
-
-fn json<T: serde::Serialize>(value: &T) -> bytes::Bytes {
-    bytes::Bytes::from(serde_json::to_vec(value).unwrap_or_default())
-}
-
-/// Takes over the node id `record.node` whose registration exists: at once when its
-/// holder is provably gone (same host, process gone), else after watching it for two
-/// heartbeats and a half without a renewal. Returns the new revision of the
-/// registration, or who holds it (`Err`) when the holder is alive.
-///
-/// # Errors
-/// Whatever the broker returns.
-async fn take_over_node_id(
-    broker: &SharedBroker,
-    bucket: &str,
-    record: &NodeRecord,
-    value: bytes::Bytes,
-    beat: Duration,
-) -> Result<Result<u64, String>, BrokerError> {
-    let node = record.node.as_str();
-    let Some(found) = broker.kv_get(bucket, node).await? else {
-        // It expired meanwhile.
-        return Ok(broker
-            .kv_create(bucket, node, value)
-            .await
-            .map_err(|_| "a node registering at the same moment".to_owned()));
-    };
-    let previous = serde_json::from_slice::<NodeRecord>(&found.value).ok();
-    let holder = previous
-        .as_ref()
-        .map_or_else(|| "an entry this version cannot read".to_owned(), |r| format!("pid {} on {}", r.pid, r.host));
-    let gone = previous.as_ref().is_some_and(|r| r.provably_gone(&record.host, record.pid, process_alive));
-    if !gone {
-        // Maybe alive (another host, or a live pid): a live node renews every beat.
-        info!(%node, %holder, wait = ?beat.mul_f64(2.5), "node id registered by another process: waiting to see whether it is alive");
-        tokio::time::sleep(beat.mul_f64(2.5)).await;
-        match broker.kv_get(bucket, node).await? {
-            Some(now) if now.revision == found.revision => {}
-            None => {
-                return Ok(broker.kv_create(bucket, node, value).await.map_err(|_| holder));
-            }
-            Some(_) => return Ok(Err(holder)),
-        }
-    }
-    match broker.kv_update(bucket, node, value, found.revision).await {
-        Ok(revision) => {
-            info!(%node, previous = %holder, "restart in place: took the node id over from its previous process, which is gone");
-            Ok(Ok(revision))
-        }
-        Err(BrokerError::KvWrongRevision { .. }) => Ok(Err(holder)),
-        Err(e) => Err(e),
-    }
-}
-
-/// Whether process `pid` on this host is alive (not gone, not a zombie). Where that
-/// cannot be told (no `/proc`), it counts as alive, and a restart waits to see whether
-/// its registration is renewed.
-fn process_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the command name, which is in parentheses.
-        Ok(stat) => stat.rsplit_once(')').is_none_or(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => !std::path::Path::new("/proc/self").exists(),
-    }
-}
-
-fn host_name() -> String {
-    std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_owned()).unwrap_or_else(|_| "unknown".into())
-}
-
-/// The cluster's current run: the one in the CONTROL bucket, unless it was drained to
-/// the end (then a new one begins); created when there is none.
-async fn current_run(
-    broker: &SharedBroker,
-    b: &Buckets,
-    topology: &TopologyRecord,
-    wanted: Option<String>,
-) -> Result<String, JobError> {
-    for _ in 0..5 {
-        let fresh = RunRecord {
-            run_id: wanted.clone().unwrap_or_else(|| MessageId::new_v7().to_string()),
-            started_ms: now_ms(),
-        };
-        let Some(entry) = broker.kv_get(&b.control, keys::RUN).await? else {
-            match broker.kv_create(&b.control, keys::RUN, json(&fresh)).await {
-                Ok(_) => return Ok(fresh.run_id),
-                Err(BrokerError::KvKeyExists { .. } | BrokerError::KvWrongRevision { .. }) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        };
-        let Ok(current) = serde_json::from_slice::<RunRecord>(&entry.value) else {
-            broker.kv_update(&b.control, keys::RUN, json(&fresh), entry.revision).await?;
-            return Ok(fresh.run_id);
-        };
-        if !run_drained(broker, b, topology, &current.run_id).await? {
-            return Ok(current.run_id);
-        }
-        match broker.kv_update(&b.control, keys::RUN, json(&fresh), entry.revision).await {
-            Ok(_) => {
-                tracing::info!(previous = %current.run_id, run = %fresh.run_id, "the previous run was drained or ended: a new run begins");
-                return Ok(fresh.run_id);
-            }
-            Err(BrokerError::KvWrongRevision { .. }) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(JobError::Misconfigured {
-        job: String::new(),
-        problem: "could not agree on the current run with the other nodes after 5 tries".into(),
-    })
-}
-
-/// Whether `run` is over: every ordered partition reached its end of stream in it, or
-/// a drain was requested for it and every ordered partition recorded its drain.
-async fn run_drained(
-    broker: &SharedBroker,
-    b: &Buckets,
-    topology: &TopologyRecord,
-    run: &str,
-) -> Result<bool, JobError> {
-    let parts = topology.partitions();
-    if parts.is_empty() {
-        return Ok(false);
-    }
-    // Drained partitions count only when a drain of the run was asked.
-    let drain_asked = match broker.kv_get(&b.control, keys::DRAIN).await? {
-        Some(d) => serde_json::from_slice::<RequestRecord>(&d.value).is_ok_and(|d| d.run_id == run),
-        None => false,
-    };
-    for (stream, p) in parts {
-        let ended = match broker.kv_get(&b.control, &keys::ended(&stream, p)).await? {
-            Some(e) => serde_json::from_slice::<crate::cluster::EndedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
-            None => false,
-        };
-        let drained = drain_asked
-            && match broker.kv_get(&b.control, &keys::drained(&stream, p)).await? {
-                Some(e) => serde_json::from_slice::<DrainedRecord>(&e.value).is_ok_and(|r| r.run_id == run),
-                None => false,
-            };
-        if !ended && !drained {
-            return Ok(false);
-        }
-    }
-    Ok(true)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1072,99 +685,5 @@ fn slot(
             let binding = Binding { slot: sc.slot, start: sc.start.clone(), ..binding.clone() };
             starter(env.clone(), binding, config.clone(), sc)
         }),
-    }
-}
-
-/// A started job.
-#[derive(Debug)]
-pub struct RunningJob {
-    container: Addr<Container>,
-    exit: oneshot::Receiver<ContainerExit>,
-    run_id: String,
-    /// Cluster mode: the node's membership, and why it left.
-    membership: Option<(Addr<Membership>, tokio::sync::watch::Sender<Option<LeaveReason>>)>,
-    /// How long a graceful stop may take before the container exits anyway.
-    stop_deadline: Duration,
-}
-
-/// How long a node that stopped may take to delete its leases and membership before it
-/// goes without (they expire on their own, after the lease TTL).
-pub const DEREGISTER_BUDGET: Duration = Duration::from_secs(3);
-
-impl RunningJob {
-    /// The run id drain markers must carry.
-    pub fn run_id(&self) -> &str {
-        &self.run_id
-    }
-
-    /// Asks the job to stop gracefully (in a cluster: leave, handing partitions over).
-    pub fn stop(&self) {
-        self.stopper().stop();
-    }
-
-    /// A handle that can stop the job from elsewhere.
-    pub fn stopper(&self) -> JobStopper {
-        match &self.membership {
-            Some((m, _)) => JobStopper(Stopper::Node(m.clone())),
-            None => JobStopper(Stopper::Container(self.container.clone())),
-        }
-    }
-
-    /// The longest a graceful stop takes, whatever the network does: the container's
-    /// stop deadline and [`DEREGISTER_BUDGET`]. A process may exit once it passed.
-    pub fn stop_deadline(&self) -> Duration {
-        self.stop_deadline + DEREGISTER_BUDGET
-    }
-
-    /// Why the node left the cluster, once it does (cluster mode).
-    pub fn left(&self) -> Option<tokio::sync::watch::Receiver<Option<LeaveReason>>> {
-        self.membership.as_ref().map(|(_, tx)| tx.subscribe())
-    }
-
-    /// Waits until the job ends. In a cluster the node then deletes its leases and its
-    /// membership, so other nodes take its partitions at once.
-    ///
-    /// # Errors
-    /// [`JobError::Failed`] when a task failed the container, or the stop could not
-    /// finish (workers still running at the stop deadline, or the leases not deleted
-    /// within [`DEREGISTER_BUDGET`]): the message says what was left undone.
-    pub async fn wait(self) -> Result<(), JobError> {
-        let exit = self.exit.await;
-        let mut undone = None;
-        if let Some((m, _)) = &self.membership
-            && tokio::time::timeout(DEREGISTER_BUDGET, m.send(Deregister)).await.is_err()
-        {
-            let what = "this node's leases and membership were not deleted (the broker did not answer within 3 s): its partitions move once their leases expire";
-            warn!("{what}");
-            undone = Some(what);
-        }
-        match (exit, undone) {
-            (Ok(ContainerExit::Failed(reason)), _) => Err(JobError::Failed(reason)),
-            (Err(_), _) => Err(JobError::Failed("the container stopped without reporting".into())),
-            (Ok(ContainerExit::Completed), Some(what)) => {
-                Err(JobError::Failed(format!("the stop did not finish: {what}")))
-            }
-            (Ok(ContainerExit::Completed), None) => Ok(()),
-        }
-    }
-}
-
-#[derive(Debug, Clone)]
-enum Stopper {
-    Container(Addr<Container>),
-    Node(Addr<Membership>),
-}
-
-/// Stops a running job.
-#[derive(Debug, Clone)]
-pub struct JobStopper(Stopper);
-
-impl JobStopper {
-    /// Asks the job to stop gracefully.
-    pub fn stop(&self) {
-        match &self.0 {
-            Stopper::Container(c) => c.do_send(StopContainer),
-            Stopper::Node(m) => m.do_send(Leave(LeaveReason::Requested)),
-        }
     }
 }

@@ -2,10 +2,10 @@
 //! in the CONTROL bucket, holding its lease until the record is stored.
 
 use super::{Membership, Part};
-use crate::cluster::{DrainedRecord, keys};
-use crate::events::{Event, emit};
 use actix::prelude::*;
 use bytes::Bytes;
+use flotilla_actors::events::{Event, emit};
+use flotilla_proto::cluster::control::{DrainedRecord, encode, keys};
 use tracing::info;
 
 /// How a partition is done for the run.
@@ -37,7 +37,7 @@ impl Done {
 /// The wait before storing a partition's done record again after `failures` failed
 /// tries: 200 ms doubling to 30 s, ±50 %.
 fn record_backoff(failures: u32) -> std::time::Duration {
-    crate::retry::DONE_RECORD.wait(failures, crate::retry::sample())
+    flotilla_actors::retry::DONE_RECORD.wait(failures, flotilla_actors::retry::sample())
 }
 
 impl Membership {
@@ -48,7 +48,7 @@ impl Membership {
     /// tries once more ([`Deregister`](super::Deregister)), then lets it go.
     pub(super) fn record_done(&mut self, part: Part, done: Done, failures: u32, ctx: &mut Context<Self>) {
         let record = DrainedRecord { run_id: self.s.run_id.clone(), node: self.s.node.clone() };
-        let value = Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
+        let value = Bytes::from(encode(&record));
         let put = self.s.broker.kv_put(&self.buckets.control, &done.key(&part), value);
         ctx.spawn(put.into_actor(self).map(move |result, act, ctx| {
             if act.gone {
