@@ -69,6 +69,7 @@ conformance!(
     kv_compare_and_set,
     kv_expiry,
     kv_watch_sees_current_then_changes,
+    typed_keys_modify_by_compare_and_set_and_watch_a_pattern,
     kv_scan_reads_the_current_values_and_ends,
     request_reply,
     request_with_no_responders,
@@ -639,6 +640,31 @@ mod cases {
         b.kv_delete("LEASES", "p.0", None).await.expect("delete");
         let third = timeout(WAIT, w.next()).await.expect("in time").expect("entry").expect("ok");
         assert_eq!((third.key.as_str(), third.operation), ("p.0", KvOperation::Delete));
+    }
+
+    pub async fn typed_keys_modify_by_compare_and_set_and_watch_a_pattern(b: SharedBroker) {
+        use flotilla_transport::kv::{Edit, TypedKey};
+        bucket(&b, None).await;
+        let count = |key: &str| TypedKey::<u64>::new(b.clone(), "LEASES", key);
+        // Two writers add to one count, each from what it read: neither addition is lost.
+        let (x, y) = (count("done.in.0"), count("done.in.0"));
+        let add = |k: TypedKey<u64>| async move {
+            for _ in 0..10 {
+                k.modify(|n| Edit::Write(n.unwrap_or(0) + 1, ())).await.expect("modify");
+            }
+        };
+        tokio::join!(add(x), add(y));
+        assert_eq!(count("done.in.0").get().await.expect("get").map(|v| v.value), Some(20));
+        let mut changes = count("done.>").watch_keys().await.expect("watch");
+        let first = timeout(WAIT, changes.next()).await.expect("in time").expect("open").expect("ok");
+        assert_eq!(first, ("done.in.0".to_owned(), Some(20)));
+        count("other").modify(|_| Edit::Write(1, ())).await.expect("other key");
+        count("done.in.1").modify(|_| Edit::Write(5, ())).await.expect("second key");
+        let second = timeout(WAIT, changes.next()).await.expect("in time").expect("open").expect("ok");
+        assert_eq!(second, ("done.in.1".to_owned(), Some(5)), "keys outside the pattern are not seen");
+        count("done.in.0").modify(|_| Edit::<u64, ()>::Delete(())).await.expect("delete");
+        let third = timeout(WAIT, changes.next()).await.expect("in time").expect("open").expect("ok");
+        assert_eq!(third, ("done.in.0".to_owned(), None));
     }
 
     pub async fn kv_scan_reads_the_current_values_and_ends(b: SharedBroker) {

@@ -11,6 +11,7 @@ pub mod broker;
 pub mod clock;
 pub mod embedded;
 pub mod jetstream;
+pub mod kv;
 pub mod topology;
 pub mod wire;
 
