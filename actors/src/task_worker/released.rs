@@ -27,22 +27,15 @@ pub(crate) fn attempt(delivered: u64, released: u64) -> u32 {
 }
 
 /// Adds one release to the count at `key`.
+/// The count is a decimal number, which is its JSON too.
 pub(crate) async fn record(broker: &SharedBroker, bucket: &str, key: &str) -> Result<u64, BrokerError> {
-    for _ in 0..5 {
-        let entry = broker.kv_get(bucket, key).await?;
-        let count = entry.as_ref().and_then(|e| std::str::from_utf8(&e.value).ok()?.parse::<u64>().ok()).unwrap_or(0);
-        let value = bytes::Bytes::from((count + 1).to_string());
-        let written = match &entry {
-            Some(e) => broker.kv_update(bucket, key, value, e.revision).await,
-            None => broker.kv_create(bucket, key, value).await,
-        };
-        match written {
-            Ok(_) => return Ok(count + 1),
-            Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Err(BrokerError::Other { operation: format!("count a release of {key}"), reason: "the count kept changing".into() })
+    let count = flotilla_transport::kv::TypedKey::<u64>::new(broker.clone(), bucket, key);
+    Ok(count
+        .modify(|n| {
+            let n = n.unwrap_or(0) + 1;
+            flotilla_transport::kv::Edit::Write(n, n)
+        })
+        .await?)
 }
 
 /// The releases counted at `key` (0 when none, or when the bucket does not exist).

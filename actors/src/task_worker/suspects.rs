@@ -152,29 +152,17 @@ impl<T: Task> TaskWorker<T> {
         let key = self.suspects_key();
         move |decide| {
             Box::pin(async move {
-                for _ in 0..5 {
-                    let entry = broker.kv_get(&bucket, &key).await?;
-                    let record = entry.as_ref().and_then(|e| serde_json::from_slice(&e.value).ok()).unwrap_or_default();
-                    let (store, answer) = decide(record);
-                    let Some(record) = store else { return Ok(answer) };
-                    let value = bytes::Bytes::from(serde_json::to_vec(&record).unwrap_or_default());
-                    let written = match (&entry, record.started.is_empty()) {
+                use flotilla_transport::kv::{Edit, TypedKey};
+                let suspects = TypedKey::<SuspectRecord>::new(broker, bucket, key);
+                let answer = suspects
+                    .modify(|record| match decide(record.unwrap_or_default()) {
+                        (None, answer) => Edit::Keep(answer),
                         // Nothing suspect any more: the record goes.
-                        (Some(e), true) => broker.kv_delete(&bucket, &key, Some(e.revision)).await.map(|()| 0),
-                        (None, true) => return Ok(answer),
-                        (Some(e), false) => broker.kv_update(&bucket, &key, value, e.revision).await,
-                        (None, false) => broker.kv_create(&bucket, &key, value).await,
-                    };
-                    match written {
-                        Ok(_) => return Ok(answer),
-                        Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
-                        Err(e) => return Err(e),
-                    }
-                }
-                Err(BrokerError::Other {
-                    operation: format!("update suspect record {key}"),
-                    reason: "the record kept changing under this owner".into(),
-                })
+                        (Some(record), answer) if record.started.is_empty() => Edit::Delete(answer),
+                        (Some(record), answer) => Edit::Write(record, answer),
+                    })
+                    .await?;
+                Ok(answer)
             })
         }
     }

@@ -23,6 +23,7 @@ use flotilla_proto::cluster::control::{
     self as cluster, ControlReply, ControlRequest, RunRecord, TopologyRecord, decode, keys,
 };
 use flotilla_transport::broker::{BrokerError, CoreMessage, SharedBroker};
+use flotilla_transport::kv::{KvError, TypedKey};
 use flotilla_transport::wire::{JobName, MessageId, Subjects};
 use futures::StreamExt;
 use serde::Serialize;
@@ -46,6 +47,18 @@ pub enum ControlError {
     Incomplete(String),
 }
 
+impl From<KvError> for ControlError {
+    fn from(e: KvError) -> Self {
+        match e {
+            KvError::Broker(e) => ControlError::Broker(e),
+            KvError::Contended { key, .. } => {
+                ControlError::Incomplete(format!("the {key} record kept changing under other writers: try again"))
+            }
+            e @ KvError::Undecodable { .. } => ControlError::Refused(e.to_string()),
+        }
+    }
+}
+
 /// A connection to one job's control plane.
 pub struct ControlClient {
     broker: SharedBroker,
@@ -67,6 +80,11 @@ fn json<T: Serialize>(v: &T) -> bytes::Bytes {
 }
 
 impl ControlClient {
+    /// The record at `key` of the job's CONTROL bucket, typed.
+    fn control_key<T: Serialize + serde::de::DeserializeOwned>(&self, key: &str) -> TypedKey<T> {
+        TypedKey::new(self.broker.clone(), self.buckets.control.clone(), key)
+    }
+
     /// Connects to the control plane of `job`.
     ///
     /// # Errors

@@ -1,8 +1,8 @@
 //! `park`, `unpark` and `step --key`: one key of a queue input set aside and let back.
 
-use super::{ControlClient, ControlError, json};
-use flotilla_proto::cluster::control::{ParkedRecord, decode, keys};
-use flotilla_transport::broker::BrokerError;
+use super::{ControlClient, ControlError};
+use flotilla_proto::cluster::control::{ParkedRecord, keys};
+use flotilla_transport::kv::Edit;
 use flotilla_transport::wire::StreamName;
 use std::time::Duration;
 
@@ -60,27 +60,16 @@ impl ControlClient {
     }
 
     async fn change_parked(&self, stream: &str, key: &str, on: bool) -> Result<(), ControlError> {
-        for _ in 0..10 {
-            let entry = self.broker.kv_get(&self.buckets.control, keys::PARKED).await?;
-            let mut record: ParkedRecord =
-                entry.as_ref().and_then(|e| decode(keys::PARKED, &e.value).ok()).unwrap_or_default();
-            let keys = record.keys.entry(stream.to_owned()).or_default();
-            let changed = if on { keys.insert(key.to_owned()) } else { keys.remove(key) };
-            record.keys.retain(|_, k| !k.is_empty());
-            if !changed {
-                return Ok(());
-            }
-            let written = match &entry {
-                Some(e) => self.broker.kv_update(&self.buckets.control, keys::PARKED, json(&record), e.revision).await,
-                None => self.broker.kv_create(&self.buckets.control, keys::PARKED, json(&record)).await,
-            };
-            match written {
-                Ok(_) => return Ok(()),
-                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Err(ControlError::Incomplete("the parked keys kept changing: try again".into()))
+        self.control_key::<ParkedRecord>(keys::PARKED)
+            .modify(|record| {
+                let mut record = record.unwrap_or_default();
+                let keys = record.keys.entry(stream.to_owned()).or_default();
+                let changed = if on { keys.insert(key.to_owned()) } else { keys.remove(key) };
+                record.keys.retain(|_, k| !k.is_empty());
+                if changed { Edit::Write(record, ()) } else { Edit::Keep(()) }
+            })
+            .await?;
+        Ok(())
     }
 
     /// The messages set aside for `key` of `stream`: (sequence in the queue stream,

@@ -1,8 +1,8 @@
 //! `pause`, `resume` and `step` of a paused partition.
 
-use super::{ControlClient, ControlError, json};
-use flotilla_proto::cluster::control::{PauseRecord, decode, keys};
-use flotilla_transport::broker::BrokerError;
+use super::{ControlClient, ControlError};
+use flotilla_proto::cluster::control::{PauseRecord, keys};
+use flotilla_transport::kv::Edit;
 use std::collections::BTreeSet;
 
 impl ControlClient {
@@ -17,25 +17,18 @@ impl ControlClient {
         paused: bool,
     ) -> Result<PauseRecord, ControlError> {
         self.check_scope(stream, partition).await?;
-        let record = loop {
-            let entry = self.broker.kv_get(&self.buckets.control, keys::PAUSED).await?;
-            let mut record: PauseRecord =
-                entry.as_ref().and_then(|e| decode(keys::PAUSED, &e.value).ok()).unwrap_or_default();
-            match (stream, partition) {
-                (None, _) => record.job = paused,
-                (Some(s), None) => set(&mut record.streams, s.to_owned(), paused),
-                (Some(s), Some(p)) => set(&mut record.partitions, format!("{s}/{p}"), paused),
-            }
-            let written = match &entry {
-                Some(e) => self.broker.kv_update(&self.buckets.control, keys::PAUSED, json(&record), e.revision).await,
-                None => self.broker.kv_create(&self.buckets.control, keys::PAUSED, json(&record)).await,
-            };
-            match written {
-                Ok(_) => break record,
-                Err(BrokerError::KvWrongRevision { .. } | BrokerError::KvKeyExists { .. }) => continue,
-                Err(e) => return Err(e.into()),
-            }
-        };
+        let record = self
+            .control_key::<PauseRecord>(keys::PAUSED)
+            .modify(|record| {
+                let mut record = record.unwrap_or_default();
+                match (stream, partition) {
+                    (None, _) => record.job = paused,
+                    (Some(s), None) => set(&mut record.streams, s.to_owned(), paused),
+                    (Some(s), Some(p)) => set(&mut record.partitions, format!("{s}/{p}"), paused),
+                }
+                Edit::Write(record.clone(), record)
+            })
+            .await?;
         let _ = self.broadcast(if paused { "pause" } else { "resume" }, &self.request()).await?;
         Ok(record)
     }
