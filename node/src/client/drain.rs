@@ -6,7 +6,10 @@ use flotilla_proto::cluster::control::{
     self as cluster, DrainedRecord, LeaseRecord, RequestRecord, RunRecord, TopologyRecord, decode, keys,
 };
 use flotilla_transport::broker::{BrokerError, OutboundMessage};
+use flotilla_transport::kv::KvError;
 use flotilla_transport::wire::{MessageId, StreamName, Subjects, headers};
+use futures::future::FutureExt;
+use futures::stream::{BoxStream, StreamExt};
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -152,17 +155,23 @@ impl ControlClient {
         let _ = self.broadcast("drain", &request).await;
         let started = Instant::now();
         let mut last_done = usize::MAX;
+        // The partitions' drained and ended records arrive as changes of the CONTROL
+        // bucket; every RECHECK all of them are read again, which covers a watch that
+        // stalled or ended (a server restart) and is the whole story when none started.
+        let mut changes = self.done_changes(&current).await;
+        let mut seen: BTreeMap<String, bool> = BTreeMap::new();
+        let mut read_at = None::<Instant>;
+        let mut read_done = BTreeSet::new();
         loop {
-            let mut done = BTreeSet::new();
+            if read_at.is_none_or(|at| at.elapsed() >= RECHECK) {
+                read_done = self.done_parts(&parts, &current).await?;
+                read_at = Some(Instant::now());
+            }
+            let mut done = read_done.clone();
             for (stream, p) in &parts {
-                if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
-                    && decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == current)
+                if seen.get(&keys::drained(stream, *p)) == Some(&true)
+                    || seen.get(&keys::ended(stream, *p)) == Some(&true)
                 {
-                    done.insert((stream.clone(), *p));
-                } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
-                    && decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == current)
-                {
-                    // Ended in this run: no marker will be reached there.
                     done.insert((stream.clone(), *p));
                 }
             }
@@ -211,7 +220,64 @@ impl ControlClient {
                     stuck.join(", ")
                 )));
             }
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            let wait = RECHECK.min(deadline.saturating_sub(started.elapsed())).max(Duration::from_millis(10));
+            match &mut changes {
+                Some(stream) => match tokio::time::timeout(wait, stream.next()).await {
+                    Ok(Some(Ok((key, in_run)))) => {
+                        seen.insert(key, in_run);
+                        // Take every change already there before looking again.
+                        while let Some(Some(Ok((key, in_run)))) = stream.next().now_or_never() {
+                            seen.insert(key, in_run);
+                        }
+                    }
+                    Ok(Some(Err(e))) => {
+                        tracing::debug!(error = %e, "watching the drain records failed; reading them every {RECHECK:?}");
+                        changes = None;
+                    }
+                    Ok(None) => changes = None,
+                    Err(_) => {}
+                },
+                None => tokio::time::sleep(wait.min(POLL)).await,
+            }
+            if changes.is_none() {
+                // No watch: read at the old pace.
+                read_at = None;
+            }
         }
     }
+
+    /// The partitions of `parts` drained or ended in `run`, read one by one.
+    async fn done_parts(&self, parts: &[(String, u32)], run: &str) -> Result<BTreeSet<(String, u32)>, ControlError> {
+        let mut done = BTreeSet::new();
+        for (stream, p) in parts {
+            if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
+                && decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == run)
+            {
+                done.insert((stream.clone(), *p));
+            } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
+                && decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == run)
+            {
+                // Ended in this run: no marker will be reached there.
+                done.insert((stream.clone(), *p));
+            }
+        }
+        Ok(done)
+    }
+
+    /// The drained and ended records as they change: `(key, whether it is done in run)`.
+    /// `None` when the watches cannot start (the caller reads instead).
+    async fn done_changes(&self, run: &str) -> Option<BoxStream<'static, Result<(String, bool), KvError>>> {
+        let drained = self.control_key::<DrainedRecord>("drained.>").watch_keys().await.ok()?;
+        let ended = self.control_key::<cluster::EndedRecord>("ended.>").watch_keys().await.ok()?;
+        let (r1, r2) = (run.to_owned(), run.to_owned());
+        let drained = drained.map(move |c| c.map(|(key, r)| (key, r.is_some_and(|r| r.run_id == r1))));
+        let ended = ended.map(move |c| c.map(|(key, r)| (key, r.is_some_and(|r| r.run_id == r2))));
+        Some(futures::stream::select(drained, ended).boxed())
+    }
 }
+
+/// How often a waiting drain reads every partition's record again, watch or not.
+const RECHECK: Duration = Duration::from_secs(5);
+
+/// How often a drain with no watch reads them.
+const POLL: Duration = Duration::from_millis(250);

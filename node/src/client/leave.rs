@@ -2,14 +2,28 @@
 
 use super::{ControlClient, ControlError, json};
 use flotilla_actors::cluster::now_ms;
-use flotilla_proto::cluster::control::{RequestRecord, keys};
+use flotilla_proto::cluster::control::{NodeRecord, RequestRecord, keys};
+use flotilla_transport::kv::TypedKey;
+use futures::future::FutureExt;
+use futures::stream::StreamExt;
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
+
+/// How often a client waiting for nodes to leave lists them again, watch or not.
+const RECHECK: Duration = Duration::from_secs(1);
+
+/// How often it lists them with no watch.
+const POLL: Duration = Duration::from_millis(200);
 
 impl ControlClient {
     async fn wait_gone(&self, nodes: &BTreeSet<String>, timeout: Duration, progress: bool) -> Result<(), ControlError> {
         let started = Instant::now();
         let mut last = usize::MAX;
+        // A node that leaves deletes its record: the watch wakes this up then. One that
+        // dies only expires, which raises no event, so the members are listed again
+        // every RECHECK as well (and at the old pace when no watch started).
+        let mut changes =
+            TypedKey::<NodeRecord>::new(self.broker.clone(), self.buckets.nodes.clone(), ">").watch_keys().await.ok();
         loop {
             let live = self.members().await?;
             let left: Vec<&String> = nodes.iter().filter(|n| live.contains(*n)).collect();
@@ -37,7 +51,31 @@ impl ControlClient {
                     names.join(", ")
                 )));
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            let wait = RECHECK.min(timeout.saturating_sub(started.elapsed())).max(Duration::from_millis(10));
+            let until = tokio::time::Instant::now() + wait;
+            let mut lost = false;
+            match &mut changes {
+                Some(stream) => loop {
+                    match tokio::time::timeout_at(until, stream.next()).await {
+                        // A heartbeat: nobody left.
+                        Ok(Some(Ok((_, Some(_))))) => continue,
+                        // A record went: list the members again (after the rest of the burst).
+                        Ok(Some(Ok((_, None)))) => {
+                            while let Some(Some(_)) = stream.next().now_or_never() {}
+                            break;
+                        }
+                        Ok(Some(Err(_)) | None) => {
+                            lost = true;
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                },
+                None => tokio::time::sleep(wait.min(POLL)).await,
+            }
+            if lost {
+                changes = None;
+            }
         }
     }
 
