@@ -7,7 +7,7 @@
 //! ```toml
 //! nats = ["nats://10.0.0.1:4222", "nats://10.0.0.2:4222"]   # or one string
 //! node_id = "node-a"
-//! log = "info,flotilla_actors=debug"
+//! log = "info,flotilla_actors=debug,flotilla_node=debug"
 //! log_json = false
 //! replicas = 3                   # copies of every stream and bucket (a NATS cluster of 3+)
 //! http = "127.0.0.1:9090"        # serve /metrics, /api/status and the dashboard here

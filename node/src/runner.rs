@@ -36,7 +36,7 @@ pub struct NodeArgs {
     /// Run id for drain markers (default: a new one per start).
     #[arg(long, env = "FLOTILLA_RUN_ID", global = true)]
     pub run_id: Option<String>,
-    /// Log filter (tracing env-filter syntax, e.g. `info,flotilla_actors=debug`; default info).
+    /// Log filter (tracing env-filter syntax, e.g. `info,flotilla_actors=debug,flotilla_node=debug`; default info).
     #[arg(long, env = "FLOTILLA_LOG", global = true)]
     pub log: Option<String>,
     /// Log as JSON lines.

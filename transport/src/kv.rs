@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use std::marker::PhantomData;
 
 /// How many compare-and-set conflicts [`TypedKey::modify`] rides out before it reports
-/// [`KvError::Contended`].
+/// [`KvError::Contended`], unless [`TypedKey::with_tries`] says otherwise.
 pub const MODIFY_TRIES: usize = 10;
 
 /// What a typed key operation can fail with.
@@ -51,7 +51,7 @@ impl From<KvError> for BrokerError {
     fn from(e: KvError) -> Self {
         match e {
             KvError::Broker(e) => e,
-            other => BrokerError::Other { operation: "a control record".into(), reason: other.to_string() },
+            other => BrokerError::Other { operation: "compare-and-set".into(), reason: other.to_string() },
         }
     }
 }
@@ -81,12 +81,19 @@ pub struct TypedKey<T> {
     broker: SharedBroker,
     bucket: String,
     key: String,
+    tries: usize,
     record: PhantomData<fn() -> T>,
 }
 
 impl<T> Clone for TypedKey<T> {
     fn clone(&self) -> Self {
-        Self { broker: self.broker.clone(), bucket: self.bucket.clone(), key: self.key.clone(), record: PhantomData }
+        Self {
+            broker: self.broker.clone(),
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            tries: self.tries,
+            record: PhantomData,
+        }
     }
 }
 
@@ -99,7 +106,14 @@ impl<T> std::fmt::Debug for TypedKey<T> {
 impl<T: Serialize + DeserializeOwned> TypedKey<T> {
     /// The key `key` of the bucket named `bucket` (its full name, e.g. `FLOTILLA_J_CONTROL`).
     pub fn new(broker: SharedBroker, bucket: impl Into<String>, key: impl Into<String>) -> Self {
-        Self { broker, bucket: bucket.into(), key: key.into(), record: PhantomData }
+        Self { broker, bucket: bucket.into(), key: key.into(), tries: MODIFY_TRIES, record: PhantomData }
+    }
+
+    /// The same key, with `modify` riding out up to `tries` conflicts (at least 1).
+    #[must_use]
+    pub fn with_tries(mut self, tries: usize) -> Self {
+        self.tries = tries.max(1);
+        self
     }
 
     /// The bucket's name.
@@ -140,7 +154,7 @@ impl<T: Serialize + DeserializeOwned> TypedKey<T> {
     /// Changes the record by compare-and-set: reads it, lets `change` decide from the
     /// current record (`None` when absent or undecodable), writes what it decided only
     /// if nobody wrote in between, and starts over when someone did, up to
-    /// [`MODIFY_TRIES`] times. Returns the answer of the change that was applied.
+    /// [`MODIFY_TRIES`] times (or as set by [`with_tries`](Self::with_tries)). Returns the answer of the change that was applied.
     ///
     /// # Errors
     /// [`KvError::Broker`]; [`KvError::Contended`] when every try lost to another writer.
@@ -149,7 +163,7 @@ impl<T: Serialize + DeserializeOwned> TypedKey<T> {
     /// Dropped between a read and its write, nothing is written; dropped while a write
     /// is in flight, the write may or may not land.
     pub async fn modify<R>(&self, mut change: impl FnMut(Option<T>) -> Edit<T, R>) -> Result<R, KvError> {
-        for _ in 0..MODIFY_TRIES {
+        for _ in 0..self.tries {
             let entry = self.broker.kv_get(&self.bucket, &self.key).await?;
             let current = entry.as_ref().and_then(|e| self.decode(&e.value).ok());
             let written = match (change(current), &entry) {
@@ -172,7 +186,7 @@ impl<T: Serialize + DeserializeOwned> TypedKey<T> {
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(KvError::Contended { bucket: self.bucket.clone(), key: self.key.clone(), tries: MODIFY_TRIES })
+        Err(KvError::Contended { bucket: self.bucket.clone(), key: self.key.clone(), tries: self.tries })
     }
 
     /// Follows the record: first its current state, then each change, as `Some(record)`
@@ -189,7 +203,7 @@ impl<T: Serialize + DeserializeOwned> TypedKey<T> {
     {
         let entries = self.broker.kv_watch(&self.bucket, &self.key).await?;
         let this = self.clone();
-        Ok(entries.map(move |entry| this.record_of(entry?)).boxed())
+        Ok(entries.map(move |entry| this.record_of(entry?)).fuse().boxed())
     }
 
     /// Follows every key this key's name matches as a pattern (`*` and `>` wildcards, e.g.
@@ -213,6 +227,7 @@ impl<T: Serialize + DeserializeOwned> TypedKey<T> {
                 let key = entry.key.clone();
                 this.record_of(entry).map(|record| (key, record))
             })
+            .fuse()
             .boxed())
     }
 

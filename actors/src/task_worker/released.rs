@@ -29,7 +29,7 @@ pub(crate) fn attempt(delivered: u64, released: u64) -> u32 {
 /// Adds one release to the count at `key`.
 /// The count is a decimal number, which is its JSON too.
 pub(crate) async fn record(broker: &SharedBroker, bucket: &str, key: &str) -> Result<u64, BrokerError> {
-    let count = flotilla_transport::kv::TypedKey::<u64>::new(broker.clone(), bucket, key);
+    let count = flotilla_transport::kv::TypedKey::<u64>::new(broker.clone(), bucket, key).with_tries(5);
     Ok(count
         .modify(|n| {
             let n = n.unwrap_or(0) + 1;

@@ -153,7 +153,7 @@ impl<T: Task> TaskWorker<T> {
         move |decide| {
             Box::pin(async move {
                 use flotilla_transport::kv::{Edit, TypedKey};
-                let suspects = TypedKey::<SuspectRecord>::new(broker, bucket, key);
+                let suspects = TypedKey::<SuspectRecord>::new(broker, bucket, key).with_tries(5);
                 let answer = suspects
                     .modify(|record| match decide(record.unwrap_or_default()) {
                         (None, answer) => Edit::Keep(answer),

@@ -226,12 +226,19 @@ impl ControlClient {
                     Ok(Some(Ok((key, in_run)))) => {
                         seen.insert(key, in_run);
                         // Take every change already there before looking again.
-                        while let Some(Some(Ok((key, in_run)))) = stream.next().now_or_never() {
-                            seen.insert(key, in_run);
+                        while let Some(Some(item)) = stream.next().now_or_never() {
+                            match item {
+                                Ok((key, in_run)) => {
+                                    seen.insert(key, in_run);
+                                }
+                                // A broker error: the next wait sees the stream end or
+                                // fail again, and the reads take over.
+                                Err(_) => break,
+                            }
                         }
                     }
                     Ok(Some(Err(e))) => {
-                        tracing::debug!(error = %e, "watching the drain records failed; reading them every {RECHECK:?}");
+                        tracing::debug!(error = %e, "watching the drain records failed; reading them every {POLL:?}");
                         changes = None;
                     }
                     Ok(None) => changes = None,
@@ -270,9 +277,24 @@ impl ControlClient {
         let drained = self.control_key::<DrainedRecord>("drained.>").watch_keys().await.ok()?;
         let ended = self.control_key::<cluster::EndedRecord>("ended.>").watch_keys().await.ok()?;
         let (r1, r2) = (run.to_owned(), run.to_owned());
-        let drained = drained.map(move |c| c.map(|(key, r)| (key, r.is_some_and(|r| r.run_id == r1))));
-        let ended = ended.map(move |c| c.map(|(key, r)| (key, r.is_some_and(|r| r.run_id == r2))));
+        // A record that does not decode is not done (as the reads judge it), and the
+        // watch goes on.
+        let drained = drained.filter_map(move |c| std::future::ready(done_in_run(c, |r| r.run_id == r1)));
+        let ended = ended.filter_map(move |c| std::future::ready(done_in_run(c, |r| r.run_id == r2)));
         Some(futures::stream::select(drained, ended).boxed())
+    }
+}
+
+/// A watched drained or ended record as `(key, done in the run)`; `None` skips an
+/// undecodable record whose key the error does not carry (the reads judge it).
+fn done_in_run<T>(
+    change: Result<(String, Option<T>), KvError>,
+    in_run: impl Fn(&T) -> bool,
+) -> Option<Result<(String, bool), KvError>> {
+    match change {
+        Ok((key, record)) => Some(Ok((key, record.as_ref().is_some_and(in_run)))),
+        Err(KvError::Undecodable { .. }) => None,
+        Err(e) => Some(Err(e)),
     }
 }
 

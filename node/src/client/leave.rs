@@ -3,7 +3,7 @@
 use super::{ControlClient, ControlError, json};
 use flotilla_actors::cluster::now_ms;
 use flotilla_proto::cluster::control::{NodeRecord, RequestRecord, keys};
-use flotilla_transport::kv::TypedKey;
+use flotilla_transport::kv::{KvError, TypedKey};
 use futures::future::FutureExt;
 use futures::stream::StreamExt;
 use std::collections::BTreeSet;
@@ -59,9 +59,19 @@ impl ControlClient {
                     match tokio::time::timeout_at(until, stream.next()).await {
                         // A heartbeat: nobody left.
                         Ok(Some(Ok((_, Some(_))))) => continue,
-                        // A record went: list the members again (after the rest of the burst).
-                        Ok(Some(Ok((_, None)))) => {
-                            while let Some(Some(_)) = stream.next().now_or_never() {}
+                        // A record went (or one we cannot read changed): list the members
+                        // again, after the rest of the burst.
+                        Ok(Some(Ok((_, None)) | Err(KvError::Undecodable { .. }))) => {
+                            loop {
+                                match stream.next().now_or_never() {
+                                    Some(Some(Ok(_) | Err(KvError::Undecodable { .. }))) => {}
+                                    Some(Some(Err(_)) | None) => {
+                                        lost = true;
+                                        break;
+                                    }
+                                    None => break,
+                                }
+                            }
                             break;
                         }
                         Ok(Some(Err(_)) | None) => {

@@ -19,6 +19,8 @@ impl ControlClient {
         self.check_scope(stream, partition).await?;
         let record = self
             .control_key::<PauseRecord>(keys::PAUSED)
+            // An operator's pause must not give up because nodes or tools write at once.
+            .with_tries(1000)
             .modify(|record| {
                 let mut record = record.unwrap_or_default();
                 match (stream, partition) {

@@ -379,6 +379,15 @@ pub enum ControlDecodeError {
     },
 }
 
+impl ControlDecodeError {
+    /// What the decoder said, without the name of what was read.
+    pub fn reason(&self) -> String {
+        match self {
+            ControlDecodeError::Malformed { source, .. } => source.to_string(),
+        }
+    }
+}
+
 /// The one decode policy for the records and requests of this module: JSON, unknown
 /// fields ignored, missing `#[serde(default)]` fields defaulted. What a caller does with
 /// an error (skip the record, use the default, refuse a request) is its own choice.

@@ -73,7 +73,7 @@ impl Membership {
                 let reply = self.answer(
                     "",
                     false,
-                    format!("malformed request body: {e}; send JSON like {{\"request_id\":\"…\"}}"),
+                    format!("malformed request body: {}; send JSON like {{\"request_id\":\"…\"}}", e.reason()),
                 );
                 self.reply(msg.reply, reply);
                 return;
