@@ -160,13 +160,23 @@ impl<T: Task> TaskWorker<T> {
                 let outputs = tctx.into_outputs();
                 self.after_process(order, deferred, outputs, ctx);
             }
-            Ok(Err(TaskError::Failed(reason))) => self.failed_attempt(order, reason, ctx),
-            Ok(Err(TaskError::Fatal(reason))) => {
+            Ok(Err(error)) => self.callback_failed(order, Ok(error), ctx),
+            Err(panic) => self.callback_failed(order, Err(panic), ctx),
+        }
+    }
+
+    /// What a failed callback of the message at `order` (its `process`, or the work it
+    /// deferred) leads to: a counted attempt, the task's failure, a retry in place, or
+    /// the dead-letter stream.
+    fn callback_failed(&mut self, order: u64, failure: Result<TaskError, Panic>, ctx: &mut Context<Self>) {
+        match failure {
+            Ok(TaskError::Failed(reason)) => self.failed_attempt(order, reason, ctx),
+            Ok(TaskError::Fatal(reason)) => {
                 self.suspect_ended_owner(order);
                 self.fail(format!("process: {reason}"), ctx)
             }
-            Ok(Err(TaskError::Unavailable(reason))) => self.retry_unavailable(order, reason, ctx),
-            Ok(Err(TaskError::Permanent { reason, detail })) => self.dead_letter(order, reason, detail, ctx),
+            Ok(TaskError::Unavailable(reason)) => self.retry_unavailable(order, reason, ctx),
+            Ok(TaskError::Permanent { reason, detail }) => self.dead_letter(order, reason, detail, ctx),
             Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
         }
     }
@@ -230,16 +240,8 @@ impl<T: Task> TaskWorker<T> {
                             act.process_done(order);
                             act.await_effects(order, outputs, ctx);
                         }
-                        Ok(Err(TaskError::Failed(reason))) => act.failed_attempt(order, reason, ctx),
-                        Ok(Err(TaskError::Fatal(reason))) => {
-                            act.suspect_ended_owner(order);
-                            act.fail(format!("process: {reason}"), ctx)
-                        }
-                        Ok(Err(TaskError::Unavailable(reason))) => act.retry_unavailable(order, reason, ctx),
-                        Ok(Err(TaskError::Permanent { reason, detail })) => act.dead_letter(order, reason, detail, ctx),
-                        Err(panic) => {
-                            act.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx)
-                        }
+                        Ok(Err(error)) => act.callback_failed(order, Ok(error), ctx),
+                        Err(panic) => act.callback_failed(order, Err(panic), ctx),
                     }
                     act.drive(ctx);
                 }));

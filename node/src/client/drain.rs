@@ -40,21 +40,7 @@ impl ControlClient {
             return Ok(None);
         }
         let parts = topology.partitions();
-        let mut drained = 0;
-        for (stream, p) in &parts {
-            let drained_here = match self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await? {
-                Some(e) => decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == run),
-                None => false,
-            };
-            // An ended partition never reaches a drain marker: it counts as done.
-            let ended_here = match self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await? {
-                Some(e) => decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == run),
-                None => false,
-            };
-            if drained_here || ended_here {
-                drained += 1;
-            }
-        }
+        let drained = self.done_parts(&parts, run).await?.len();
         Ok((drained < parts.len()).then(|| PendingDrain {
             run_id: run.to_owned(),
             issued_ms: record.issued_ms,
