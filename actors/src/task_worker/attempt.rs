@@ -6,19 +6,10 @@ use super::*;
 impl<T: Task> TaskWorker<T> {
     /// Starts (or retries) processing of the message at `order`.
     pub(super) fn start_attempt(&mut self, order: u64, ctx: &mut Context<Self>) {
-        let Some(envelope) = self.inflight.get_mut(&order) else { return };
-        if let Some((reason, detail)) = envelope.dead_letter.take() {
-            self.dead_letter(order, reason, detail, ctx);
+        if !self.part.start(order, Instant::now().into_std()) {
             return;
         }
-        let now = Instant::now();
-        envelope.started = Some(now);
-        envelope.backing_off = false;
-        if envelope.counted {
-            self.state.attempt_started(order, now.into_std());
-        }
-        let Some(envelope) = self.inflight.get(&order) else { return };
-        let d = &envelope.delivery;
+        let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
         let decoded = match d.headers.kind() {
             // The input type's `Deserialize` is user code: a panic there is a message
             // that cannot be decoded, not the end of the worker.
@@ -57,34 +48,33 @@ impl<T: Task> TaskWorker<T> {
         let input = match decoded {
             Ok(input) => input,
             Err((reason, detail)) => {
-                self.dead_letter(order, reason, detail, ctx);
+                self.part.dead_letter(order, reason, detail);
                 return;
             }
         };
-        if let Some(e) = self.inflight.get_mut(&order) {
-            e.ran = true;
-        }
-        let Some(envelope) = self.inflight.get_mut(&order) else { return };
-        let d = &envelope.delivery;
+        self.part.running(order);
+        let Some(held) = self.part.held_mut(order) else { return };
+        let d = &held.msg.delivery;
         let span = tracing::debug_span!(
             "process",
             stream = self.binding.stream,
             partition = self.binding.partition,
             seq = d.info.stream_seq,
-            attempt = envelope.attempt,
+            attempt = held.attempt,
             trace_id = tracing::field::Empty,
             span_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
         );
         // Nothing collects the span (the default): no ids, and the context passes the
         // input's traceparent on as it is, without this lookup.
-        envelope.trace = if span.is_disabled() {
+        held.msg.trace = if span.is_disabled() {
             None
         } else {
             crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT))
         };
-        let trace = envelope.trace;
-        let d = &envelope.delivery;
+        let trace = held.msg.trace;
+        let attempt = held.attempt;
+        let d = &held.msg.delivery;
         let meta = MessageMeta {
             // A message that was parked keeps the id it had.
             id: match d.headers.get_text(headers::ORIGIN_ID).or_else(|| d.headers.get_text(headers::MSG_ID)) {
@@ -96,7 +86,7 @@ impl<T: Task> TaskWorker<T> {
             partition: self.binding.partition,
             stream_seq: d.info.stream_seq,
             delivered: d.info.delivered,
-            attempt: envelope.attempt,
+            attempt,
             published: d.info.published,
             headers: d.headers.clone(),
         };
@@ -135,8 +125,8 @@ impl<T: Task> TaskWorker<T> {
     /// The handler of the message at `order` returned.
     pub(super) fn processed(&mut self, order: u64, (task, mut tctx, result): Processed<T>, ctx: &mut Context<Self>) {
         self.task = Some(task);
-        if let Some(started) = self.inflight.get(&order).and_then(|e| e.started) {
-            let took = started.elapsed();
+        if let Some(started) = self.part.held(order).and_then(|h| h.started) {
+            let took = Instant::now().into_std().saturating_duration_since(started);
             self.metrics.process.record(took.as_secs_f64());
             self.metrics.busy(took);
         }
@@ -150,9 +140,8 @@ impl<T: Task> TaskWorker<T> {
             Some(d) if unfinished => d.stores.borrow_mut().end_callback_held(order),
             _ => self.end_callback(ok),
         }
-        if ok && let Some(e) = self.inflight.get_mut(&order) {
-            e.applied = self.durable.is_some();
-            self.applied_through = self.applied_through.max(e.delivery.info.stream_seq);
+        if ok {
+            self.part.returned_ok(order);
         }
         match result {
             Ok(Ok(())) => {
@@ -170,39 +159,27 @@ impl<T: Task> TaskWorker<T> {
     /// the dead-letter stream.
     fn callback_failed(&mut self, order: u64, failure: Result<TaskError, Panic>, ctx: &mut Context<Self>) {
         match failure {
-            Ok(TaskError::Failed(reason)) => self.failed_attempt(order, reason, ctx),
+            Ok(TaskError::Failed(reason)) => self.failed_attempt(order, reason),
             Ok(TaskError::Fatal(reason)) => {
                 self.suspect_ended_owner(order);
                 self.fail(format!("process: {reason}"), ctx)
             }
-            Ok(TaskError::Unavailable(reason)) => self.retry_unavailable(order, reason, ctx),
-            Ok(TaskError::Permanent { reason, detail }) => self.dead_letter(order, reason, detail, ctx),
-            Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic)), ctx),
+            Ok(TaskError::Unavailable(reason)) => self.retry_unavailable(order, reason),
+            Ok(TaskError::Permanent { reason, detail }) => self.part.dead_letter(order, reason, detail),
+            Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic))),
         }
     }
 
     /// Something was unreachable: try the message again after a back-off, in place,
-    /// without counting an attempt.
-    pub(super) fn retry_unavailable(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
-        let Some(envelope) = self.inflight.get_mut(&order) else { return };
-        envelope.unavailable += 1;
-        envelope.started = None;
-        if !envelope.counted {
-            envelope.counted = true;
-            self.state.restart(order, Instant::now().into_std());
+    /// without counting an attempt (up to the ceiling, past which it is a failed attempt).
+    pub(super) fn retry_unavailable(&mut self, order: u64, reason: String) {
+        let Some(seq) = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq) else { return };
+        match self.part.unavailable(order, &reason, Instant::now().into_std(), crate::retry::sample()) {
+            Some(delay) => {
+                warn!(stream = self.binding.stream, partition = self.binding.partition, seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
+            }
+            None => self.metrics.failed_attempts.increment(1),
         }
-        let n = envelope.unavailable;
-        if n > self.config.unavailable_retries {
-            // The ceiling: from here on, being unavailable costs attempts.
-            let limit = self.config.unavailable_retries;
-            self.failed_attempt(order, format!("{reason} (still unavailable after {limit} retries)"), ctx);
-            return;
-        }
-        let delay = unavailable_backoff(n);
-        warn!(stream = self.binding.stream, partition = self.binding.partition, seq = envelope.delivery.info.stream_seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
-        envelope.backing_off = true;
-        self.state.attempt_paused(order);
-        self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
     }
 
     pub(super) fn after_process(
@@ -214,7 +191,7 @@ impl<T: Task> TaskWorker<T> {
     ) {
         match deferred {
             None => {
-                self.process_done(order);
+                self.part.process_done(order);
                 self.await_effects(order, outputs, ctx);
             }
             Some(fut) => {
@@ -237,7 +214,7 @@ impl<T: Task> TaskWorker<T> {
                     }
                     match result {
                         Ok(Ok(())) => {
-                            act.process_done(order);
+                            act.part.process_done(order);
                             act.await_effects(order, outputs, ctx);
                         }
                         Ok(Err(error)) => act.callback_failed(order, Ok(error), ctx),
@@ -246,15 +223,6 @@ impl<T: Task> TaskWorker<T> {
                     act.drive(ctx);
                 }));
             }
-        }
-    }
-
-    pub(super) fn process_done(&mut self, order: u64) {
-        if let Some(e) = self.inflight.get_mut(&order)
-            && e.counted
-        {
-            e.counted = false;
-            self.state.process_done(order);
         }
     }
 

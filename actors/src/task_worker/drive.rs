@@ -9,7 +9,7 @@ impl<T: Task> TaskWorker<T> {
     pub(super) fn drive(&mut self, ctx: &mut Context<Self>) {
         self.resume_waiting_commit(ctx);
         self.drive_ops(ctx);
-        self.send_batched();
+        self.send_batched(ctx);
         self.arm_ticks();
     }
 
@@ -23,13 +23,13 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let Some(me) = &self.self_recipient else { return };
-        if !self.commit_tick_armed && self.state.uncommitted() {
+        if !self.commit_tick_armed && self.part.readiness().uncommitted() {
             self.commit_tick_armed = true;
             self.timers.do_send(After { delay: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
         }
         if let Some(timeout) = self.config.callback_timeout
             && !self.timeout_check_armed
-            && self.state.in_flight() > 0
+            && self.part.readiness().in_flight() > 0
         {
             // Checked every quarter of the timeout while something runs: an idle
             // partition gets no ticks.
@@ -37,8 +37,7 @@ impl<T: Task> TaskWorker<T> {
             let delay = (timeout / 4).max(Duration::from_millis(10));
             self.timers.do_send(After { delay, target: me.clone(), tick: Tick::CheckTimeouts });
         }
-        let held = if self.binding.ordered() { !self.claimed.is_empty() } else { !self.inflight.is_empty() };
-        if !self.heartbeat_armed && held {
+        if !self.heartbeat_armed && self.part.holds() {
             self.heartbeat_armed = true;
             let beat = (self.config.ack_wait / 3).max(Duration::from_millis(50));
             self.timers.do_send(After { delay: beat, target: me.clone(), tick: Tick::Heartbeat });
@@ -50,7 +49,7 @@ impl<T: Task> TaskWorker<T> {
             self.abort_fenced(ctx);
             return;
         }
-        while !self.finished && self.task.is_some() && self.state.failure().is_none() {
+        while !self.finished && self.task.is_some() && self.part.readiness().failure().is_none() {
             // Per message, not once per turn: a turn can start many, and the lease's
             // validity is a deadline.
             if self.binding.fenced() {
@@ -60,7 +59,7 @@ impl<T: Task> TaskWorker<T> {
             if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
                 // Restoring: nothing runs before the state is back.
                 if self.stopping {
-                    self.release_all(true);
+                    self.part.release_all(true);
                     self.finish(self.stopped_outcome(), ctx);
                 }
                 return;
@@ -70,88 +69,40 @@ impl<T: Task> TaskWorker<T> {
                 // retry would change the state it writes.
                 return;
             }
-            if let Some(order) = self.retries.pop_front() {
-                self.start_attempt(order, ctx);
-                continue;
-            }
-            if self.stopping {
+            if self.stopping && !self.part.retry_waiting() {
                 self.try_finish_stop(ctx);
                 return;
             }
-            match self.state.next_op(Instant::now().into_std()) {
-                Op::Process(p) => {
-                    let envelope = Envelope {
-                        delivery: p.msg,
-                        attempt: 0,
-                        counted: true,
-                        started: None,
-                        dead_letter: None,
-                        unavailable: 0,
-                        applied: false,
-                        backing_off: false,
-                        ran: false,
-                        trace: None,
-                    };
-                    let mut attempt = (envelope.delivery.info.delivered.max(1)).min(u64::from(u32::MAX)) as u32;
-                    let seq = envelope.delivery.info.stream_seq;
-                    let restores = self.restores_forced_by(seq);
-                    attempt = attempt.max(restores.saturating_add(1));
-                    self.inflight.insert(p.order, Envelope { attempt, ..envelope });
-                    if restores > 0 && attempt > self.config.retry.max_attempts {
-                        let max = self.config.retry.max_attempts;
-                        self.dead_letter(
-                            p.order,
-                            "max-attempts",
-                            format!(
-                                "its {restores} attempts of {max} failed after changing the task's stores together with other messages, each forcing a restore of the partition"
-                            ),
-                            ctx,
-                        );
-                        continue;
-                    }
-                    if self.durable.is_some() && seq <= self.applied_through {
-                        // The restored state reflects it already: it was processed,
-                        // its outputs stored and its changes committed; only its
-                        // acknowledgement was lost.
-                        debug!(
-                            stream = self.binding.stream,
-                            partition = self.binding.partition,
-                            seq,
-                            "skipping an input the restored state reflects"
-                        );
-                        self.process_done(p.order);
-                        self.flushed(FlushTarget::Message(p.order), ctx);
-                        continue;
-                    }
-                    let delivered = self.inflight.get(&p.order).map_or(1, |e| e.delivery.info.delivered);
-                    if !self.binding.ordered() && self.key_parked(p.order) {
-                        self.park(p.order, ctx);
-                    } else if !self.binding.ordered() && delivered > 1 {
-                        self.count_releases(p.order, seq, delivered, ctx);
-                    } else if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
-                        self.count_suspect(p.order, seq, ctx);
-                    } else {
-                        self.start_attempt(p.order, ctx);
-                    }
-                }
-                Op::Commit => self.run_hook(Hook::Commit, ctx),
-                Op::Window => self.run_hook(Hook::Window, ctx),
-                Op::Timer => {
+            match self.part.next(Instant::now().into_std()) {
+                Next::Retry(order) => self.start_attempt(order, ctx),
+                Next::Begin(order) => self.route(order, ctx),
+                Next::Commit => self.run_hook(Hook::Commit, ctx),
+                Next::Window => self.run_hook(Hook::Window, ctx),
+                Next::Timer => {
                     let due = std::mem::take(&mut self.due_timers);
                     self.run_hook(Hook::Timers(due), ctx);
                 }
-                Op::Drain => self.run_hook(Hook::Drain, ctx),
-                Op::EndOfStream => self.run_hook(Hook::EndOfStream, ctx),
-                Op::NoOp => return,
+                Next::Drain => self.run_hook(Hook::Drain, ctx),
+                Next::EndOfStream => self.run_hook(Hook::EndOfStream, ctx),
+                Next::Idle => return,
             }
         }
     }
 
-    /// How many restores of the partition the message at stream sequence `seq` forced
-    /// before this worker (see [`PartitionStart::blamed`]).
-    pub(super) fn restores_forced_by(&self, seq: u64) -> u32 {
-        let blamed = self.binding.start.as_ref().map_or(&[][..], |s| &s.blamed);
-        blamed.iter().find(|(at, _)| *at == seq).map_or(0, |(_, n)| *n)
+    /// A message begins here: a parked key's is set aside, a queue message delivered
+    /// before has its hand-backs counted and a suspect its start, before its attempt.
+    fn route(&mut self, order: u64, ctx: &mut Context<Self>) {
+        let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
+        let (seq, delivered) = (d.info.stream_seq, d.info.delivered);
+        if !self.binding.ordered() && self.key_parked(order) {
+            self.park(order, ctx);
+        } else if !self.binding.ordered() && delivered > 1 {
+            self.count_releases(order, seq, delivered, ctx);
+        } else if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
+            self.count_suspect(order, seq, ctx);
+        } else {
+            self.start_attempt(order, ctx);
+        }
     }
 
     /// Whether the queue message at `order` has a parked key (and was not let through
@@ -160,8 +111,8 @@ impl<T: Task> TaskWorker<T> {
         if !self.env.parked.any() {
             return false;
         }
-        let Some(e) = self.inflight.get(&order) else { return false };
-        let h = &e.delivery.headers;
+        let Some(held) = self.part.held(order) else { return false };
+        let h = &held.msg.delivery.headers;
         h.get(headers::STEP).is_none()
             && h.get(headers::KEY).is_some_and(|key| self.env.parked.is_parked(self.binding.stream, key))
     }
@@ -170,8 +121,7 @@ impl<T: Task> TaskWorker<T> {
     /// sequence (so it goes back in order), and takes it off the queue: others keep
     /// flowing. It costs no attempt. If it cannot be stored it is handed back.
     pub(super) fn park(&mut self, order: u64, ctx: &mut Context<Self>) {
-        let Some(e) = self.inflight.get(&order) else { return };
-        let d = &e.delivery;
+        let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
         let Ok(stream) = flotilla_transport::wire::StreamName::new(self.binding.stream) else { return };
         let mut out = OutboundMessage::new(self.env.subjects.parked(&stream), d.payload.clone());
         out.headers = d.headers.without_broker_controls();
@@ -204,18 +154,17 @@ impl<T: Task> TaskWorker<T> {
         ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| {
             match result {
                 Ok(()) => {
-                    act.forget(order);
+                    act.part.forget(order);
                     // Parked after an unpark's last sweep, nobody would send it back.
                     actix::spawn(recheck);
                 }
                 Err(e) => {
-                    if let Some(env) = act.inflight.get(&order) {
+                    if let Some(held) = act.part.forget(order) {
                         // Not at once: it would come straight back and be refused again,
                         // spending its deliveries in a second.
-                        let delivery = env.delivery.clone();
+                        let delivery = held.msg.delivery;
                         let delay = park_retry_delay(delivery.info.delivered, crate::retry::sample());
                         warn!(stream = act.binding.stream, seq = delivery.info.stream_seq, ?delay, error = %e, "could not park a message of a parked key: handing it back for later");
-                        act.forget(order);
                         act.hand_back_after(&delivery, true, Some(delay));
                     }
                 }
@@ -246,53 +195,28 @@ impl<T: Task> TaskWorker<T> {
             let attempt = if known { released::attempt(delivered, released) } else { released::attempt(delivered, 0).min(max) };
             if act.stopping {
                 // A stop came while the count was read: hand it back unstarted.
-                if let Some(e) = act.inflight.get(&order) {
-                    let delivery = e.delivery.clone();
-                    act.forget(order);
-                    act.hand_back(&delivery, true);
+                if let Some(held) = act.part.forget(order) {
+                    act.hand_back(&held.msg.delivery, true);
                 }
                 act.drive(ctx);
                 return;
             }
-            let Some(envelope) = act.inflight.get_mut(&order) else { return };
-            envelope.attempt = attempt;
+            if !act.part.set_attempt(order, attempt) {
+                return;
+            }
             if attempt > max {
-                act.dead_letter(
+                act.part.dead_letter(
                     order,
                     "max-attempts",
                     format!(
                         "delivered {delivered} times, {released} of them handed back unfinished (not counted): its {} attempts ended without a verdict, as when the node running it dies or hangs",
                         attempt - 1
                     ),
-                    ctx,
                 );
             } else {
-                act.retries.push_back(order);
+                act.part.retry_due(order);
             }
             act.drive(ctx);
         }));
-    }
-
-    pub(super) fn heartbeat(&mut self) {
-        if self.binding.fenced() {
-            return;
-        }
-        let now = Instant::now();
-        let ack_wait = self.config.ack_wait;
-        if self.binding.ordered() {
-            // Claimed but uncommitted messages near ack-wait: keep them ours.
-            for c in self.claimed.values_mut() {
-                if core::progress_due(c.at.into_std(), now.into_std(), ack_wait) {
-                    c.at = now;
-                    self.acks.push((c.token.clone(), AckKind::InProgress));
-                }
-            }
-        } else {
-            for e in self.inflight.values() {
-                if e.started.is_some_and(|s| core::progress_due(s.into_std(), now.into_std(), ack_wait)) {
-                    self.acks.push((e.delivery.token.clone(), AckKind::InProgress));
-                }
-            }
-        }
     }
 }

@@ -92,16 +92,11 @@ impl<T: Task> TaskWorker<T> {
                 // Publishing the same outputs again can never work.
                 let ErrorClass::Permanent(reason) = class else { return };
                 debug!(stream = self.binding.stream, partition = self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
-                self.dead_letter(order, reason, format!("output not stored: {err}"), ctx);
+                self.part.dead_letter(order, reason, format!("output not stored: {err}"));
             }
             FlushTarget::Message(order) => {
-                if let Some(e) = self.inflight.get_mut(&order)
-                    && !e.counted
-                {
-                    e.counted = true;
-                    self.state.restart(order, Instant::now().into_std());
-                }
-                self.failed_attempt(order, format!("output not stored: {err}"), ctx);
+                self.part.recount(order, Instant::now().into_std());
+                self.failed_attempt(order, format!("output not stored: {err}"));
             }
             FlushTarget::Hook(kind) => self.fail(format!("{}: output not stored: {err}", kind.label()), ctx),
         }
@@ -114,35 +109,26 @@ impl<T: Task> TaskWorker<T> {
         }
     }
 
-    /// The message is processed and its outputs are stored.
+    /// The message is processed and its outputs are stored: the partition's rules ack
+    /// it (queue) or let it be committed (ordered).
     pub(super) fn effects_stored(&mut self, order: u64) {
-        let Some(envelope) = self.inflight.remove(&order) else { return };
-        if envelope.applied
+        let Some(held) = self.part.effects_stored(order) else { return };
+        if !self.binding.ordered() {
+            // Its ack is queued and leaves at the end of the turn.
+            crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
+        }
+        self.after_stored(order, &held);
+    }
+
+    /// What the worker kept for a finished message: its store journal, its suspect
+    /// record.
+    pub(super) fn after_stored(&mut self, order: u64, held: &Held<Msg>) {
+        if held.applied()
             && let Some(d) = &self.durable
         {
             d.stores.borrow_mut().release(order);
         }
-        self.suspect_finished(envelope.delivery.info.stream_seq);
-        if self.binding.ordered() {
-            self.state.effects_done(order);
-            self.maybe_request_commit();
-        } else {
-            self.claimed.remove(&order);
-            crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
-            self.ack(&envelope.delivery.token, AckKind::Ack);
-            self.state.effects_done(order);
-            self.completed(1);
-        }
-    }
-
-    pub(super) fn maybe_request_commit(&mut self) {
-        if !self.state.uncommitted() || self.state.commit_pending() {
-            return;
-        }
-        let idle = self.state.pending_len() == 0 && self.state.in_flight() == 0;
-        if core::commit_due(self.state.uncommitted_count(0), idle, self.config.window) {
-            self.state.request_commit();
-        }
+        self.suspect_finished(held.msg.delivery.info.stream_seq);
     }
 
     /// Acknowledges everything up to `positions` (the state machine's committable
@@ -152,26 +138,9 @@ impl<T: Task> TaskWorker<T> {
             // Another node may own the partition now: acking here could skip its work.
             return;
         }
-        let mut count = 0;
-        if let Some(&pos) = positions.get(&0) {
-            let rest = self.claimed.split_off(&(pos + 1));
-            let done = std::mem::replace(&mut self.claimed, rest);
-            if self.binding.ordered() {
-                if let Some((_, last)) = done.iter().next_back() {
-                    crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
-                    self.ack(&last.token, AckKind::Ack);
-                    self.intake.committed_to(last.seq);
-                    self.last_commit = Some(last.token.clone());
-                }
-            } else {
-                // Queue data messages were acked one by one; what is left are markers.
-                for c in done.values() {
-                    self.ack(&c.token, AckKind::Ack);
-                }
-            }
-            count = done.len();
+        if self.part.commit(positions) > 0 && self.binding.ordered() {
+            // Its ack-all is queued and leaves at the end of the turn.
+            crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
         }
-        self.state.commit_done(positions);
-        self.completed(count);
     }
 }

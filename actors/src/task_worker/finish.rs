@@ -5,84 +5,52 @@ use super::*;
 
 impl<T: Task> TaskWorker<T> {
     /// One attempt failed: retry, or dead-letter on the last attempt.
-    pub(super) fn failed_attempt(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
-        let Some(envelope) = self.inflight.get_mut(&order) else { return };
+    pub(super) fn failed_attempt(&mut self, order: u64, reason: String) {
+        let Some(h) = self.part.held(order) else { return };
+        let (seq, attempt) = (h.msg.delivery.info.stream_seq, h.attempt);
         self.metrics.failed_attempts.increment(1);
-        let attempt = envelope.attempt;
-        let max = self.config.retry.max_attempts;
-        let seq = envelope.delivery.info.stream_seq;
-        match self.binding.discipline().after_failure(attempt, &self.config.retry, crate::retry::sample()) {
-            AfterFailure::DeadLetter => {
-                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
-                self.dead_letter(order, "max-attempts", format!("attempt {attempt} of {max} failed: {reason}"), ctx);
+        let (stream, partition) = (self.binding.stream, self.binding.partition);
+        match self.part.failed(order, &reason, crate::retry::sample()) {
+            Some(AfterFailure::DeadLetter) => {
+                debug!(stream, partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
             }
-            AfterFailure::RetryInPlace(delay) => {
-                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
-                envelope.attempt += 1;
-                envelope.started = None;
-                envelope.backing_off = true;
-                self.state.attempt_paused(order);
-                self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
+            Some(AfterFailure::RetryInPlace(delay) | AfterFailure::Nak(delay)) => {
+                debug!(stream, partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
             }
-            AfterFailure::Nak(delay) => {
-                debug!(stream = self.binding.stream, partition = self.binding.partition, seq, attempt, ?delay, %reason, "attempt failed; retrying");
-                let token = envelope.delivery.token.clone();
-                self.ack(&token, AckKind::Nak(Some(delay)));
-                self.forget(order);
-            }
+            None => {}
         }
     }
 
-    /// Done with a queue message without acking it here (nak'd or terminated).
-    pub(super) fn forget(&mut self, order: u64) {
-        if let Some(e) = self.inflight.remove(&order)
-            && e.counted
-        {
-            self.state.process_done(order);
-        }
-        self.claimed.remove(&order);
-        self.state.effects_done(order);
-        self.completed(1);
-    }
-
-    /// Moves the message to the dead-letter stream, then skips (ordered) or terminates (queue) it.
-    pub(super) fn dead_letter(&mut self, order: u64, reason: &'static str, detail: String, ctx: &mut Context<Self>) {
-        let Some(envelope) = self.inflight.get(&order) else { return };
+    /// Stores the message in the dead-letter stream (the partition's rules decided so),
+    /// then tells the rules, which skip (ordered) or terminate (queue) it.
+    pub(super) fn send_dead_letter(
+        &mut self,
+        order: u64,
+        reason: &'static str,
+        detail: String,
+        attempts: u32,
+        ctx: &mut Context<Self>,
+    ) {
+        let Some(held) = self.part.held(order) else { return };
         let letter = DeadLetter {
-            delivery: envelope.delivery.clone(),
+            delivery: held.msg.delivery.clone(),
             stream: self.binding.stream.to_owned(),
             partition: self.binding.partition,
             reason,
             detail: detail.clone(),
-            // The attempts before this one, and this one if `process` ran for it.
-            attempts: Some(envelope.attempt.saturating_sub(1) + u32::from(envelope.ran)),
-            trace: envelope.trace,
+            attempts: Some(attempts),
+            trace: held.msg.trace,
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
-                Ok(Ok(())) => match act.binding.discipline().after_dead_letter() {
-                    None => {
-                        act.process_done(order);
-                        act.effects_stored(order);
+                Ok(Ok(())) => {
+                    if let Some(held) = act.part.dead_lettered(order) {
+                        act.after_stored(order, &held);
                     }
-                    Some(kind) => {
-                        if let Some(e) = act.inflight.get(&order) {
-                            let token = e.delivery.token.clone();
-                            act.ack(&token, kind);
-                            act.forget(order);
-                        }
-                    }
-                },
+                }
                 Ok(Err(e)) => {
                     warn!(error = %e, "dead letter not stored; trying again in 1 s");
-                    if let Some(env) = act.inflight.get_mut(&order) {
-                        env.dead_letter = Some((reason, detail));
-                    }
-                    act.timers.do_send(After {
-                        delay: Duration::from_secs(1),
-                        target: ctx.address().recipient(),
-                        tick: Tick::Retry(order),
-                    });
+                    act.part.dead_letter_refused(order, reason, detail, Duration::from_secs(1));
                 }
                 Err(mailbox) => act.fail(format!("reaper unavailable: {mailbox}"), ctx),
             }
@@ -100,11 +68,11 @@ impl<T: Task> TaskWorker<T> {
         // Not with stores: the state in memory may hold changes of messages not
         // finished, and acknowledging without writing it would lose the rest; the next
         // owner restores the last commit and skips what it reflects.
-        if self.state.uncommitted() && self.durable.is_none() {
-            let positions = self.state.committable().clone();
+        if self.part.readiness().uncommitted() && self.durable.is_none() {
+            let positions = self.part.readiness().committable().clone();
             self.commit_positions(positions);
         }
-        self.state.fail(reason.clone());
+        self.part.readiness_mut().fail(reason.clone());
         emit(
             &self.env.broker,
             &self.env.subjects,
@@ -114,47 +82,22 @@ impl<T: Task> TaskWorker<T> {
                 reason: reason.clone(),
             },
         );
-        self.release_all(false);
+        self.part.release_all(false);
         self.finish(Outcome::Failed(reason), ctx);
-    }
-
-    /// Naks (without delay) what was claimed and never started — for example what
-    /// followed a drain marker — so the next run gets it at once.
-    pub(super) fn hand_back_unstarted(&mut self) {
-        let unstarted = self.state.take_unstarted();
-        let count = unstarted.len();
-        for p in unstarted {
-            self.claimed.remove(&p.order);
-            self.hand_back(&p.msg, true);
-        }
-        self.completed(count);
     }
 
     /// Hands back the messages waiting for a retry: a stop does not wait out their
     /// back-off. The commit position stays before them, so whoever runs the partition
     /// next gets them again.
     pub(super) fn hand_back_backing_off(&mut self) {
-        let waiting: Vec<u64> =
-            self.inflight.iter().filter(|(_, e)| e.backing_off && !e.applied).map(|(&order, _)| order).collect();
-        if waiting.is_empty() {
-            return;
-        }
-        info!(
-            stream = self.binding.stream,
-            partition = self.binding.partition,
-            messages = waiting.len(),
-            "stopping: handing back what waits for a retry instead of waiting out its back-off"
-        );
-        if let Some(&first) = waiting.iter().min() {
-            self.handed_back_mid_retry = Some(self.handed_back_mid_retry.map_or(first, |h| h.min(first)));
-        }
-        for order in waiting {
-            let Some(e) = self.inflight.remove(&order) else { continue };
-            self.claimed.remove(&order);
-            if e.counted {
-                self.state.release(order);
-            }
-            self.hand_back(&e.delivery, true);
+        let count = self.part.hand_back_backing_off();
+        if count > 0 {
+            info!(
+                stream = self.binding.stream,
+                partition = self.binding.partition,
+                messages = count,
+                "stopping: handing back what waits for a retry instead of waiting out its back-off"
+            );
         }
     }
 
@@ -174,7 +117,7 @@ impl<T: Task> TaskWorker<T> {
             other => other,
         };
         if !interrupted || self.binding.ordered() {
-            self.ack(&d.token, kind);
+            self.acks.push((d.token.clone(), kind));
             return;
         }
         let broker = self.env.broker.clone();
@@ -195,20 +138,6 @@ impl<T: Task> TaskWorker<T> {
         }));
     }
 
-    /// Naks every message held and not finished, without delay; `interrupted` when
-    /// that is not their fault (a stop's deadline), so it costs queue messages no
-    /// attempt. After a task failure it does: the culprit is among them.
-    pub(super) fn release_all(&mut self, interrupted: bool) {
-        for p in self.state.take_unstarted() {
-            self.hand_back(&p.msg, interrupted);
-        }
-        let inflight: Vec<Envelope> = self.inflight.drain().map(|(_, e)| e).collect();
-        for e in inflight {
-            self.hand_back(&e.delivery, interrupted);
-        }
-        self.claimed.clear();
-    }
-
     /// The partition's lease is lost: act no more for it. Nothing is acked, nak'd or
     /// published; the new owner resumes at the committed position.
     pub(super) fn abort_fenced(&mut self, ctx: &mut Context<Self>) {
@@ -218,13 +147,11 @@ impl<T: Task> TaskWorker<T> {
         warn!(
             stream = self.binding.stream,
             partition = self.binding.partition,
-            in_flight = self.inflight.len(),
+            in_flight = self.part.held_count(),
             "lease lost: stopping the partition without acking or publishing more"
         );
         self.publish_queue.clear();
-        let _ = self.state.take_unstarted();
-        self.inflight.clear();
-        self.claimed.clear();
+        self.part.abandon();
         self.finish(Outcome::Stopped, ctx);
     }
 
@@ -233,15 +160,15 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         self.finished = true;
-        self.state.mark_complete();
+        self.part.readiness_mut().mark_complete();
         // What this turn acked and completed goes out before the worker reports its end.
-        self.send_batched();
+        self.send_batched(ctx);
         // Nothing runs here any more (a fenced or released worker leaves counts behind).
         self.metrics.in_flight.set(0.0);
         // Handing an ordered partition over: the next owner resets its consumer at the
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
-        let confirm = match (&self.last_commit, &outcome) {
+        let confirm = match (self.part.last_commit(), &outcome) {
             (
                 Some(token),
                 Outcome::Stopped
@@ -297,7 +224,7 @@ impl<T: Task> TaskWorker<T> {
         self.stopping = true;
         // Interrupted is not failed: hand back at once what has not started, and what
         // waits out a retry back-off.
-        self.hand_back_unstarted();
+        self.part.hand_back_unstarted();
         self.hand_back_backing_off();
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
@@ -305,10 +232,10 @@ impl<T: Task> TaskWorker<T> {
                 warn!(
                     stream = act.binding.stream,
                     partition = act.binding.partition,
-                    in_flight = act.inflight.len(),
+                    in_flight = act.part.held_count(),
                     "drain timeout: handing back in-flight messages"
                 );
-                act.release_all(true);
+                act.part.release_all(true);
                 act.finish(act.stopped_outcome(), ctx);
             }
         });
@@ -338,16 +265,13 @@ impl<T: Task> TaskWorker<T> {
     pub(super) fn try_finish_stop(&mut self, ctx: &mut Context<Self>) {
         // Outputs of a hook (a window) still on their way: a stop runs no half-done
         // window, so the commit waits for them.
-        if self.finished || self.task.is_none() || !self.inflight.is_empty() || self.flushes_in_flight > 0 {
+        if self.finished || self.task.is_none() || self.part.held_count() > 0 || self.flushes_in_flight > 0 {
             return;
         }
         if self.state_busy() {
             return;
         }
-        if self.durable.is_some()
-            && let Some(first) = self.handed_back_mid_retry
-            && self.claimed.range(first..).next().is_some()
-        {
+        if self.part.commit_blocked_by_hand_back() {
             // Messages after the one handed back finished: their store changes are in
             // memory, but the commit position stays before it, and a commit would write
             // them there (the next owner would apply them twice). Commit nothing.
@@ -356,12 +280,12 @@ impl<T: Task> TaskWorker<T> {
                 partition = self.binding.partition,
                 "stopping without a commit: messages that finished after one handed back mid-retry cannot have their store changes committed apart from it; the next owner restores the last commit and runs them again"
             );
-            self.release_all(true);
+            self.part.release_all(true);
             self.finish(self.stopped_outcome(), ctx);
             return;
         }
         let changed = self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes());
-        if self.state.uncommitted() || changed {
+        if self.part.readiness().uncommitted() || changed {
             self.commit_then(AfterCommit::Shutdown, ctx);
             return;
         }

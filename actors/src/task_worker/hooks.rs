@@ -14,7 +14,7 @@ impl<T: Task> TaskWorker<T> {
         // that said something else, and the broker would drop them.
         self.durable.as_ref()?;
         let partition = self.binding.partition?;
-        let position = self.applied_through;
+        let position = self.part.applied_through();
         let n = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
         // `init` runs after every restore, where the run before the restore ran none:
         // numbered like the others, it would shift every later hook at this position
@@ -30,7 +30,7 @@ impl<T: Task> TaskWorker<T> {
 
     pub(super) fn apply_requests(&mut self, tctx: &mut TaskContext) {
         if tctx.requests.commit {
-            self.state.request_commit();
+            self.part.readiness_mut().request_commit();
         }
         if let Some(scope) = tctx.requests.shutdown {
             self.report(WorkerReport::ShutdownRequested { slot: self.binding.slot, scope });
@@ -116,7 +116,7 @@ impl<T: Task> TaskWorker<T> {
     pub(super) fn hook_done(&mut self, kind: HookKind, ctx: &mut Context<Self>) {
         match kind {
             HookKind::Init => {
-                if self.hook_at.0 == self.applied_through
+                if self.hook_at.0 == self.part.applied_through()
                     && self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes())
                 {
                     self.hook_at.1 += 1;
@@ -124,11 +124,11 @@ impl<T: Task> TaskWorker<T> {
                 self.commit_hook_changes();
             }
             HookKind::Window => {
-                self.state.window_done();
+                self.part.readiness_mut().window_done();
                 self.commit_hook_changes();
             }
             HookKind::Timers => {
-                self.state.timer_done();
+                self.part.readiness_mut().timer_done();
                 self.commit_hook_changes();
             }
             HookKind::Commit => {

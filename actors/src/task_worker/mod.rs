@@ -28,14 +28,17 @@
 //!   per node at a time, for its first seconds (see `suspects.rs`); one that ended
 //!   `crash_limit` owners goes to the dead-letter stream as `crash-loop`.
 //!
-//! The rules (which delivery to take, when to commit, what a failure, a hand-back or a
-//! dead letter does to the message, which suspect to quarantine) are plain data in
-//! `flotilla_proto::partition::intake`, tested on their own; this actor performs what
-//! they decide. This file holds the actor, its state and its handlers; the work is in
-//! role files beside it: `attempt.rs` (one attempt at a message), `effects.rs`
-//! (publishing outputs, acking positions), `finish.rs` (failures, dead letters,
-//! hand-backs, stop), `hooks.rs`, `stores.rs` (restore, commits with stores) and
-//! `drive.rs` (the turn, parking, in-progress acks).
+//! The rules (which delivery to take, what runs next, a message's attempts, what a
+//! failure, a hand-back or a dead letter does to it, when to commit and what a commit
+//! acknowledges, which suspect to quarantine) are the partition machine
+//! [`Partition`] in `flotilla_proto::partition::machine`, tested on its own: it owns
+//! the held and claimed messages and the readiness machine's in-flight count, and says
+//! what to do as [`Effect`]s, which this actor performs (`perform`, once per turn with
+//! the batched acks). This file holds the actor, its state and its handlers; the work
+//! is in role files beside it: `attempt.rs` (one attempt at a message), `effects.rs`
+//! (publishing outputs, acking positions), `finish.rs` (dead letters, hand-backs,
+//! stop), `hooks.rs`, `stores.rs` (restore, commits with stores) and `drive.rs` (the
+//! turn, routing, parking).
 //!
 //! Supervision: the [`Container`](crate::container::Container) starts workers and decides,
 //! by the task's [`FailurePolicy`](crate::config::FailurePolicy), what a failed worker
@@ -61,20 +64,19 @@ use crate::config::TaskConfig;
 use crate::events::{Event, emit};
 use crate::metrics::{AckCount, TaskMetrics};
 use crate::reaper::{DeadLetter, Reaper};
-use crate::state::{EnvelopeKind, Op, TaskState};
+use crate::state::{EnvelopeKind, TaskState};
 use crate::stream::StreamKind;
 use crate::supervise::{Panic, Supervised, panic_text, supervised};
 use crate::task::{MessageMeta, Outputs, Task, TaskContext, TaskEnv, TaskError};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use crate::trace::TraceContext;
 use actix::prelude::*;
-use flotilla_proto::partition::intake as core;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
+use flotilla_proto::partition::machine::{self, Delivered, Effect, Held, Next, Partition};
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
-use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, VecDeque};
 use std::rc::Rc;
@@ -158,28 +160,24 @@ impl Binding {
     }
 }
 
-/// A message the worker holds from claim to acknowledgement.
-struct Envelope {
+/// A delivery as the worker keeps it in its [`Partition`]: with the trace context of
+/// its current attempt (see [`crate::trace`]).
+pub(crate) struct Msg {
     delivery: Delivery,
-    /// This attempt's number.
-    attempt: u32,
-    /// Whether it counts as in flight in the state machine now.
-    counted: bool,
-    started: Option<Instant>,
-    /// A dead letter that could not be published yet: (reason, detail).
-    dead_letter: Option<(&'static str, String)>,
-    /// Retries because something was unavailable (not counted as attempts).
-    unavailable: u32,
-    /// Its `process` returned and its store changes are applied (tasks with stores):
-    /// from here on it cannot be retried, only finished or restored from the changelog.
-    applied: bool,
-    /// It waits for its next attempt (a retry back-off): no callback runs for it, so a
-    /// stop hands it back at once instead of waiting out the back-off.
-    backing_off: bool,
-    /// The task's `process` ran for its current attempt (it decoded).
-    ran: bool,
-    /// The trace context of its current attempt (see [`crate::trace`]).
     trace: Option<TraceContext>,
+}
+
+impl Delivered for Msg {
+    type Token = AckToken;
+    fn stream_seq(&self) -> u64 {
+        self.delivery.info.stream_seq
+    }
+    fn delivered(&self) -> u64 {
+        self.delivery.info.delivered
+    }
+    fn token(&self) -> &AckToken {
+        &self.delivery.token
+    }
 }
 
 /// Outputs waiting to be published, and what they belong to.
@@ -230,13 +228,6 @@ fn unavailable_backoff(n: u32) -> Duration {
     crate::retry::UNAVAILABLE.wait(n, crate::retry::sample())
 }
 
-/// A claimed message's acknowledgement handle, kept until it is committed.
-struct Claimed {
-    token: AckToken,
-    seq: u64,
-    at: Instant,
-}
-
 /// What a `process` call hands back: the task, its context and the handler's result
 /// (`Err` when it panicked).
 type Processed<T> = (Box<T>, TaskContext, Result<Result<(), TaskError>, Panic>);
@@ -285,31 +276,22 @@ enum Hook {
 pub struct TaskWorker<T: Task> {
     /// Boxed so the actor is `Unpin` whatever the task is; `None` while checked out.
     task: Option<Box<T>>,
-    state: TaskState<Delivery>,
+    /// The partition's messages and their rules: what is held, claimed, committed.
+    part: Partition<Msg>,
     env: Rc<TaskEnv>,
     binding: Binding,
     config: TaskConfig,
     container: Recipient<WorkerReport>,
     timers: Addr<TimerService>,
     reaper: Addr<Reaper>,
-    /// Started messages until acknowledged (queue) or effects stored (ordered).
-    inflight: FxHashMap<u64, Envelope>,
-    /// Claimed messages by order, until committed: every message of an ordered input,
-    /// only the markers of a queue input (its data messages are acked one by one).
-    claimed: BTreeMap<u64, Claimed>,
-    /// Ordered inputs: which deliveries are taken, and the committed position.
-    intake: Intake,
-    /// Ordered inputs: the delivery whose ack-all made the last commit.
-    last_commit: Option<AckToken>,
     /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
     resync: Option<String>,
     /// Ordered inputs after a take-over that found unfinished work: the suspects.
     suspects: Option<Suspects>,
     /// The suspect this worker runs, with the node's suspect lane until its finish is
-    /// stored or it outlived [`SUSPECT_WINDOW`](core::SUSPECT_WINDOW) (the permit then
+    /// stored or it outlived [`SUSPECT_WINDOW`](flotilla_proto::partition::intake::SUSPECT_WINDOW) (the permit then
     /// `None`: it runs on, no longer counted).
     lane: Option<(u64, Option<tokio::sync::OwnedSemaphorePermit>)>,
-    retries: VecDeque<u64>,
     /// Queue hand-backs on their way (release count, then nak).
     releases: Vec<tokio::task::JoinHandle<()>>,
     due_timers: Vec<String>,
@@ -333,9 +315,6 @@ pub struct TaskWorker<T: Task> {
     flushes_in_flight: usize,
     /// Tasks with stores (ordered inputs).
     durable: Option<Durable>,
-    /// Inputs up to this stream sequence are applied (with stores: to the restored
-    /// state already, so they are skipped when they come again).
-    applied_through: u64,
     /// Ordered hooks derive their outputs' ids from the input position they ran at
     /// and how many hooks ran there before.
     hook_at: (u64, u32),
@@ -343,8 +322,6 @@ pub struct TaskWorker<T: Task> {
     metrics: TaskMetrics,
     /// When the commit under way began, and its span.
     commit_started: Option<(Instant, tracing::Span)>,
-    /// A stop handed back a message waiting out a retry back-off: the first such order.
-    handed_back_mid_retry: Option<u64>,
 }
 
 /// The kind an acknowledgement counts as in [`crate::metrics::names::ACKS`].
@@ -379,25 +356,28 @@ impl<T: Task> TaskWorker<T> {
         let suspects =
             binding.start.as_ref().and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
         let metrics = TaskMetrics::new(binding.stream, binding.partition);
+        let rules = machine::Config {
+            discipline: binding.discipline(),
+            retry: config.retry,
+            unavailable_retries: config.unavailable_retries,
+            window: config.window,
+            durable: false,
+            blamed: binding.start.as_ref().map(|s| s.blamed.clone()).unwrap_or_default(),
+        };
         Self {
             metrics,
             commit_started: None,
             task: Some(Box::new(task)),
-            state,
+            part: Partition::new(rules, state, intake),
             env,
             binding,
             config,
             container,
             timers,
             reaper,
-            inflight: FxHashMap::default(),
-            claimed: BTreeMap::new(),
-            intake,
-            last_commit: None,
             resync: None,
             suspects,
             lane: None,
-            retries: VecDeque::new(),
             releases: Vec::new(),
             due_timers: Vec::new(),
             stopping: false,
@@ -412,9 +392,7 @@ impl<T: Task> TaskWorker<T> {
             timeout_check_armed: false,
             flushes_in_flight: 0,
             durable: None,
-            applied_through: 0,
             hook_at: (0, 0),
-            handed_back_mid_retry: None,
         }
     }
 
@@ -422,6 +400,7 @@ impl<T: Task> TaskWorker<T> {
     #[must_use]
     pub fn with_stores(mut self, stores: crate::store::StoreSet) -> Self {
         if !stores.is_empty() && self.binding.ordered() {
+            self.part.set_durable(true);
             self.durable = Some(Durable {
                 stores: Rc::new(RefCell::new(stores)),
                 changelog: None,
@@ -448,20 +427,29 @@ impl<T: Task> TaskWorker<T> {
         self.container.do_send(report);
     }
 
-    /// Queues an acknowledgement; what one turn of the worker queues is sent together
-    /// when the turn ends ([`send_batched`](Self::send_batched)).
-    fn ack(&mut self, token: &AckToken, kind: AckKind) {
-        self.acks.push((token.clone(), kind));
-    }
-
-    /// Counts messages this worker is done with, for the container's claim credit.
-    fn completed(&mut self, count: usize) {
-        self.completed += count;
+    /// Performs what the partition's rules decided: acknowledgements and credit are
+    /// queued for the end of the turn, retries armed, dead letters sent, hand-backs
+    /// given.
+    fn perform(&mut self, ctx: &mut Context<Self>) {
+        while let Some(effect) = self.part.poll_effect() {
+            match effect {
+                Effect::Ack(token, kind) => self.acks.push((token, kind)),
+                Effect::Credit(count) => self.completed += count,
+                Effect::RetryAfter { order, delay } => {
+                    self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
+                }
+                Effect::DeadLetter { order, reason, detail, attempts } => {
+                    self.send_dead_letter(order, reason, detail, attempts, ctx);
+                }
+                Effect::HandBack { msg, interrupted } => self.hand_back(&msg.delivery, interrupted),
+            }
+        }
     }
 
     /// Sends the acknowledgements and the completion count queued during this turn:
     /// one broker operation and one container message, however many messages finished.
-    fn send_batched(&mut self) {
+    fn send_batched(&mut self, ctx: &mut Context<Self>) {
+        self.perform(ctx);
         if !self.acks.is_empty() {
             let mut counts = [0u64; 4];
             for (_, kind) in &self.acks {
@@ -482,7 +470,7 @@ impl<T: Task> TaskWorker<T> {
                 }
             });
         }
-        self.metrics.in_flight.set(self.state.in_flight() as f64);
+        self.metrics.in_flight.set(self.part.readiness().in_flight() as f64);
         if self.completed > 0 {
             let count = std::mem::take(&mut self.completed);
             self.report(WorkerReport::Completed { slot: self.binding.slot, count });
@@ -526,7 +514,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 continue;
             }
             if self.binding.ordered() {
-                match self.intake.admit(d.info.stream_seq, d.info.consumer_seq) {
+                match self.part.admit(d.info.stream_seq, d.info.consumer_seq) {
                     Admission::Take => {}
                     Admission::Redelivered => {
                         dropped += 1;
@@ -556,14 +544,9 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 Some(MessageKind::EndOfStream) if self.binding.ordered() => EnvelopeKind::EndOfStream,
                 _ => EnvelopeKind::Data,
             };
-            let held = self.binding.ordered() || !matches!(kind, EnvelopeKind::Data);
-            let claimed = held.then(|| Claimed { token: d.token.clone(), seq: d.info.stream_seq, at: now });
-            let order = self.state.insert(0, kind, d);
-            if let Some(claimed) = claimed {
-                self.claimed.insert(order, claimed);
-            }
+            self.part.arrive(kind, Msg { delivery: d, trace: None }, now.into_std());
         }
-        self.completed(dropped);
+        self.part.dropped(dropped);
         self.drive(ctx);
     }
 }
@@ -582,10 +565,10 @@ impl<T: Task> Handler<WorkerControl> for TaskWorker<T> {
 
     fn handle(&mut self, control: WorkerControl, ctx: &mut Context<Self>) {
         match control {
-            WorkerControl::Pause => self.state.pause(),
-            WorkerControl::Resume => self.state.resume(),
+            WorkerControl::Pause => self.part.readiness_mut().pause(),
+            WorkerControl::Resume => self.part.readiness_mut().resume(),
             WorkerControl::Step => {
-                if !self.state.step() {
+                if !self.part.readiness_mut().step() {
                     debug!(
                         stream = self.binding.stream,
                         partition = self.binding.partition,
@@ -605,22 +588,24 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
         match tick {
             Tick::Commit => {
                 self.commit_tick_armed = false;
-                if self.state.uncommitted() {
-                    self.state.request_commit();
+                if self.part.readiness().uncommitted() {
+                    self.part.readiness_mut().request_commit();
                 }
             }
-            Tick::Window => self.state.request_window(),
+            Tick::Window => self.part.readiness_mut().request_window(),
             Tick::Heartbeat => {
                 self.heartbeat_armed = false;
-                self.heartbeat();
+                if !self.binding.fenced() {
+                    self.part.keep_alive(Instant::now().into_std(), self.config.ack_wait);
+                }
             }
             Tick::CheckTimeouts => {
                 self.timeout_check_armed = false;
                 if let Some(timeout) = self.config.callback_timeout {
-                    let late = self.state.timed_out(Instant::now().into_std(), timeout);
+                    let late = self.part.readiness().timed_out(Instant::now().into_std(), timeout);
                     if let Some(&order) = late.first() {
                         self.suspect_ended_owner(order);
-                        let seq = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq);
+                        let seq = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq);
                         self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);
                         return;
                     }
@@ -628,9 +613,9 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
             }
             Tick::UserTimer(name) => {
                 self.due_timers.push(name);
-                self.state.request_timer();
+                self.part.readiness_mut().request_timer();
             }
-            Tick::Retry(order) => self.retries.push_back(order),
+            Tick::Retry(order) => self.part.retry_due(order),
             Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan | Tick::Renew => {}
         }
         self.drive(ctx);

@@ -99,7 +99,7 @@ impl<T: Task> TaskWorker<T> {
         let (position, hooks) = (restored.changelog.commit.position, restored.changelog.commit.hooks);
         d.changelog = Some(restored.changelog);
         d.restore_failures = 0;
-        self.applied_through = position;
+        self.part.restored_to(position);
         self.hook_at = (position, hooks);
         self.metrics.restored(restored.keys.len() as u64, started.elapsed());
         emit(
@@ -129,17 +129,17 @@ impl<T: Task> TaskWorker<T> {
                 "commit",
                 stream = self.binding.stream,
                 partition = self.binding.partition,
-                uncommitted = self.state.uncommitted_count(0),
+                uncommitted = self.part.readiness().uncommitted_count(0),
             );
             self.commit_started = Some((Instant::now(), span));
         }
         let Some(d) = &mut self.durable else {
-            let positions = self.state.committable().clone();
+            let positions = self.part.readiness().committable().clone();
             self.commit_positions(positions);
             self.after_commit(then, ctx);
             return;
         };
-        if self.inflight.values().any(|e| e.applied) {
+        if self.part.any_applied() {
             d.waiting = Some(then);
             return;
         }
@@ -148,12 +148,8 @@ impl<T: Task> TaskWorker<T> {
             self.after_commit(then, ctx);
             return;
         };
-        let positions = self.state.committable().clone();
-        let position = positions
-            .get(&0)
-            .and_then(|&pos| self.claimed.range(..=pos).next_back())
-            .map_or(0, |(_, c)| c.seq)
-            .max(log.commit.position);
+        let positions = self.part.readiness().committable().clone();
+        let position = self.part.committable_seq().unwrap_or(0).max(log.commit.position);
         let codec = *d.stores.borrow().codec();
         let mut changes = Vec::new();
         let mut failed = None;
@@ -269,7 +265,7 @@ impl<T: Task> TaskWorker<T> {
     /// at `order`: the restore counts as one of its attempts, so one that keeps forcing
     /// restores is dead-lettered like one that keeps failing.
     pub(super) fn restore_blaming(&mut self, order: u64, reason: String, ctx: &mut Context<Self>) {
-        let blame = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq);
+        let blame = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq);
         self.end_for_restore(reason, blame, ctx);
     }
 
@@ -278,7 +274,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, ?blame, "restarting the partition from its last commit");
-        self.release_all(true);
+        self.part.release_all(true);
         self.finish(Outcome::Restore { reason, blame }, ctx);
     }
 
@@ -286,15 +282,14 @@ impl<T: Task> TaskWorker<T> {
     /// changes, if it had any kept. `false` when they cannot be undone alone (a later
     /// callback changed one of its keys): then only a restore takes them back.
     pub(super) fn undo_applied(&mut self, order: u64) -> bool {
-        let Some(e) = self.inflight.get_mut(&order) else { return true };
-        if !e.applied {
+        if !self.part.held(order).is_some_and(Held::applied) {
             return true;
         }
         let Some(d) = &self.durable else { return true };
         if !d.stores.borrow_mut().undo(order) {
             return false;
         }
-        e.applied = false;
+        self.part.unapplied(order);
         true
     }
 
@@ -307,7 +302,7 @@ impl<T: Task> TaskWorker<T> {
         match then {
             AfterCommit::Drive => self.drive(ctx),
             AfterCommit::Finish(outcome) => {
-                self.hand_back_unstarted();
+                self.part.hand_back_unstarted();
                 self.finish(outcome, ctx);
             }
             AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
@@ -318,7 +313,7 @@ impl<T: Task> TaskWorker<T> {
     /// (its outputs are out; what they report must not be reported again).
     pub(super) fn commit_hook_changes(&mut self) {
         if self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()) {
-            self.state.request_commit();
+            self.part.readiness_mut().request_commit();
         }
     }
 
@@ -329,7 +324,7 @@ impl<T: Task> TaskWorker<T> {
 
     /// A commit that waited for applied messages goes on once none is left.
     pub(super) fn resume_waiting_commit(&mut self, ctx: &mut Context<Self>) {
-        if self.inflight.values().any(|e| e.applied) {
+        if self.part.any_applied() {
             return;
         }
         if let Some(then) = self.durable.as_mut().and_then(|d| d.waiting.take()) {

@@ -24,7 +24,7 @@ impl<T: Task> TaskWorker<T> {
         let Some(suspects) = self.suspects else { return };
         let lane = self.env.suspect_lane.clone();
         let change = self.change_suspects();
-        let committed = self.intake.committed();
+        let committed = self.part.committed();
         let fut = async move {
             let permit = lane.acquire_owned().await.ok();
             let verdict = change(Box::new(move |record| match suspects.judge(record, seq, committed) {
@@ -38,24 +38,23 @@ impl<T: Task> TaskWorker<T> {
             act.lane = permit.map(|p| (seq, Some(p)));
             match verdict {
                 Ok(None) => {
-                    act.retries.push_back(order);
+                    act.part.retry_due(order);
                     ctx.run_later(SUSPECT_WINDOW, move |act, ctx| act.suspect_outlived(seq, ctx));
                 }
                 Ok(Some(starts)) => {
                     let limit = act.config.crash_limit;
                     debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
-                    act.dead_letter(
+                    act.part.dead_letter(
                         order,
                         "crash-loop",
                         format!(
                             "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
                         ),
-                        ctx,
                     );
                 }
                 Err(e) => {
                     warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
-                    act.retries.push_back(order);
+                    act.part.retry_due(order);
                 }
             }
             act.drive(ctx);
@@ -73,14 +72,16 @@ impl<T: Task> TaskWorker<T> {
         if *running != seq {
             return;
         }
-        let Some(envelope) = self.inflight.values().find(|e| e.delivery.info.stream_seq == seq) else { return };
-        let ran = envelope.started.map_or(Duration::ZERO, |at| at.elapsed());
+        let Some(held) = self.part.held_at(seq) else { return };
+        let ran = held
+            .started
+            .map_or(Duration::ZERO, |at| tokio::time::Instant::now().into_std().saturating_duration_since(at));
         if ran < SUSPECT_WINDOW {
             ctx.run_later(SUSPECT_WINDOW - ran, move |act, ctx| act.suspect_outlived(seq, ctx));
             return;
         }
         let permit = self.lane.as_mut().and_then(|(_, permit)| permit.take());
-        let committed = self.intake.committed();
+        let committed = self.part.committed();
         let stored =
             self.change_suspects()(Box::new(move |record| (Some(suspects.outlived(record, seq, committed)), ())));
         ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| match result {
@@ -105,11 +106,11 @@ impl<T: Task> TaskWorker<T> {
     /// record); one that outlived its window is counted again.
     pub(super) fn suspect_ended_owner(&mut self, order: u64) {
         let Some(suspects) = self.suspects else { return };
-        let Some(seq) = self.inflight.get(&order).map(|e| e.delivery.info.stream_seq) else { return };
+        let Some(seq) = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq) else { return };
         if !matches!(&self.lane, Some((running, None)) if *running == seq) {
             return;
         }
-        let committed = self.intake.committed();
+        let committed = self.part.committed();
         let stored =
             self.change_suspects()(Box::new(move |record| (Some(suspects.ended_owner(record, seq, committed)), ())));
         actix::spawn(async move {
@@ -127,7 +128,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         let permit = self.lane.take();
-        let committed = self.intake.committed();
+        let committed = self.part.committed();
         let stored =
             self.change_suspects()(Box::new(move |record| (Some(suspects.finish(record, seq, committed)), ())));
         actix::spawn(async move {

@@ -1,6 +1,7 @@
 //! The per-partition run loop's rules.
 
 pub mod intake;
+pub mod machine;
 pub mod readiness;
 
 /// How to acknowledge a delivery (the broker's acknowledgement verbs).

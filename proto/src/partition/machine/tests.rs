@@ -1,0 +1,360 @@
+use super::*;
+use crate::partition::readiness::TaskState;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Msg {
+    seq: u64,
+    delivered: u64,
+}
+
+impl Delivered for Msg {
+    type Token = u64;
+    fn stream_seq(&self) -> u64 {
+        self.seq
+    }
+    fn delivered(&self) -> u64 {
+        self.delivered
+    }
+    fn token(&self) -> &u64 {
+        &self.seq
+    }
+}
+
+fn config(discipline: Discipline) -> Config {
+    Config {
+        discipline,
+        retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
+        unavailable_retries: 2,
+        window: 4,
+        durable: false,
+        blamed: Vec::new(),
+    }
+}
+
+fn partition(config: Config, max_concurrency: usize) -> Partition<Msg> {
+    Partition::new(config, TaskState::new([0], max_concurrency, false, "run"), Intake::after(None))
+}
+
+fn effects(p: &mut Partition<Msg>) -> Vec<Effect<Msg>> {
+    std::iter::from_fn(|| p.poll_effect()).collect()
+}
+
+/// Acks among `effects`, as (token, kind).
+fn acks(effects: &[Effect<Msg>]) -> Vec<(u64, AckKind)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Ack(t, k) => Some((*t, *k)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn credit(effects: &[Effect<Msg>]) -> usize {
+    effects.iter().map(|e| if let Effect::Credit(n) = e { *n } else { 0 }).sum()
+}
+
+/// Delivers `seqs` (first deliveries) and begins them all; returns their orders.
+fn deliver_and_begin(p: &mut Partition<Msg>, seqs: &[u64], now: Instant) -> Vec<u64> {
+    for &seq in seqs {
+        p.arrive(EnvelopeKind::Data, Msg { seq, delivered: 1 }, now);
+    }
+    let mut orders = Vec::new();
+    while let Next::Begin(order) = p.next(now) {
+        assert!(p.start(order, now));
+        orders.push(order);
+    }
+    orders
+}
+
+#[test]
+fn a_queue_message_is_acked_once_its_outputs_are_stored_and_credited_once() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 4);
+    let orders = deliver_and_begin(&mut p, &[10, 11], now);
+    assert_eq!(orders, vec![0, 1]);
+    assert_eq!(p.readiness().in_flight(), 2);
+    p.process_done(1);
+    assert!(p.effects_stored(1).is_some());
+    let out = effects(&mut p);
+    assert_eq!(acks(&out), vec![(11, AckKind::Ack)]);
+    assert_eq!(credit(&out), 1);
+    assert!(matches!(out.last(), Some(Effect::Credit(1))), "the credit comes last, as one");
+    assert_eq!(p.readiness().in_flight(), 1);
+    assert!(p.effects_stored(1).is_none(), "finishing twice does nothing");
+    assert!(effects(&mut p).is_empty());
+}
+
+#[test]
+fn an_ordered_partition_commits_once_a_window_completed_with_one_ack_all_of_the_last() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 8);
+    let orders = deliver_and_begin(&mut p, &[5, 6, 7, 8, 9], now);
+    // Out of order: nothing is committable until the first is done.
+    for &o in orders.iter().skip(1).take(3) {
+        p.process_done(o);
+        p.effects_stored(o);
+    }
+    assert!(!p.readiness().commit_pending());
+    p.process_done(orders[0]);
+    p.effects_stored(orders[0]);
+    assert!(p.readiness().commit_pending(), "a window of four completed");
+    assert_eq!(p.committable_seq(), Some(8));
+    assert!(effects(&mut p).is_empty(), "no ack before the commit");
+    assert_eq!(p.next(now), Next::Idle, "the commit waits for what runs");
+    p.process_done(orders[4]);
+    p.effects_stored(orders[4]);
+    assert_eq!(p.next(now), Next::Commit);
+    let positions = p.readiness().committable().clone();
+    p.commit(positions);
+    let out = effects(&mut p);
+    assert_eq!(acks(&out), vec![(9, AckKind::Ack)], "one ack-all of the last in the prefix");
+    assert_eq!(credit(&out), 5);
+    assert_eq!(p.committed(), 9);
+    assert_eq!(p.last_commit(), Some(&9));
+}
+
+#[test]
+fn an_idle_partition_commits_what_completed_at_once() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 8);
+    let orders = deliver_and_begin(&mut p, &[1], now);
+    p.process_done(orders[0]);
+    p.effects_stored(orders[0]);
+    assert!(p.readiness().commit_pending());
+}
+
+#[test]
+fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 1);
+    let order = deliver_and_begin(&mut p, &[3], now)[0];
+    p.running(order);
+    assert!(matches!(p.failed(order, "boom", 0.5), Some(AfterFailure::RetryInPlace(_))));
+    let out = effects(&mut p);
+    assert!(matches!(out.as_slice(), [Effect::RetryAfter { order: o, .. }] if *o == order));
+    assert_eq!(p.held(order).map(|h| h.attempt), Some(2));
+    assert_eq!(p.readiness().in_flight(), 1, "it still holds its place: the partition waits");
+    assert_eq!(p.next(now), Next::Idle, "nothing else starts while it backs off");
+    p.retry_due(order);
+    assert_eq!(p.next(now), Next::Retry(order));
+    assert!(p.start(order, now));
+    p.running(order);
+    p.failed(order, "boom", 0.5);
+    effects(&mut p);
+    p.retry_due(order);
+    assert_eq!(p.next(now), Next::Retry(order));
+    assert!(p.start(order, now));
+    p.running(order);
+    assert_eq!(p.failed(order, "boom", 0.5), Some(AfterFailure::DeadLetter));
+    match effects(&mut p).as_slice() {
+        [Effect::DeadLetter { order: o, reason: "max-attempts", detail, attempts: 3 }] => {
+            assert_eq!(*o, order);
+            assert!(detail.contains("attempt 3 of 3 failed: boom"), "{detail}");
+        }
+        other => panic!("expected a dead letter, got {other:?}"),
+    }
+    assert!(p.dead_lettered(order).is_some());
+    assert!(p.readiness().uncommitted(), "skipped: it completes in place");
+    assert!(acks(&effects(&mut p)).is_empty(), "an ordered message is never term'd");
+}
+
+#[test]
+fn a_queue_failure_is_nakked_with_its_back_off_and_a_dead_letter_terminates() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 2);
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    match p.failed(orders[0], "no", 0.5) {
+        Some(AfterFailure::Nak(delay)) => {
+            let out = effects(&mut p);
+            assert_eq!(acks(&out), vec![(1, AckKind::Nak(Some(delay)))]);
+            assert_eq!(credit(&out), 1);
+        }
+        other => panic!("expected a nak, got {other:?}"),
+    }
+    assert!(p.held(orders[0]).is_none());
+    p.dead_letter(orders[1], "malformed", "bad bytes".into());
+    assert!(matches!(effects(&mut p).as_slice(), [Effect::DeadLetter { attempts: 0, .. }]), "it never ran");
+    p.dead_lettered(orders[1]);
+    assert_eq!(acks(&effects(&mut p)), vec![(2, AckKind::Term)]);
+    assert_eq!(p.readiness().in_flight(), 0);
+}
+
+#[test]
+fn a_dead_letter_not_stored_is_tried_again_at_the_next_start() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 1);
+    let order = deliver_and_begin(&mut p, &[1], now)[0];
+    p.dead_letter_refused(order, "crash-loop", "again".into(), Duration::from_secs(1));
+    assert!(
+        matches!(effects(&mut p).as_slice(), [Effect::RetryAfter { delay, .. }] if *delay == Duration::from_secs(1))
+    );
+    assert!(!p.start(order, now), "it does not run: its dead letter is due");
+    assert!(matches!(effects(&mut p).as_slice(), [Effect::DeadLetter { reason: "crash-loop", .. }]));
+}
+
+#[test]
+fn unavailable_costs_no_attempt_up_to_the_ceiling() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 1);
+    let order = deliver_and_begin(&mut p, &[1], now)[0];
+    let first = p.unavailable(order, "down", now, 0.5).expect("a wait");
+    let second = p.unavailable(order, "down", now, 0.5).expect("a wait");
+    assert_eq!((first, second), (UNAVAILABLE.wait(1, 0.5), UNAVAILABLE.wait(2, 0.5)));
+    assert_eq!(p.held(order).map(|h| h.attempt), Some(1));
+    assert_eq!(p.unavailable(order, "down", now, 0.5), None, "the third is past the ceiling of two");
+    assert_eq!(p.held(order).map(|h| h.attempt), Some(2), "and costs an attempt");
+}
+
+#[test]
+fn a_message_whose_outputs_were_refused_counts_in_flight_again() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 1);
+    let order = deliver_and_begin(&mut p, &[1], now)[0];
+    p.process_done(order);
+    assert_eq!(p.readiness().in_flight(), 0);
+    p.recount(order, now);
+    p.recount(order, now);
+    assert_eq!(p.readiness().in_flight(), 1, "counted once however often");
+}
+
+#[test]
+fn restores_forced_before_count_as_attempts_and_can_spend_them() {
+    let now = Instant::now();
+    let mut cfg = config(Discipline::Ordered);
+    cfg.blamed = vec![(7, 1), (8, 3)];
+    let mut p = partition(cfg, 4);
+    p.arrive(EnvelopeKind::Data, Msg { seq: 7, delivered: 1 }, now);
+    p.arrive(EnvelopeKind::Data, Msg { seq: 8, delivered: 1 }, now);
+    let Next::Begin(first) = p.next(now) else { panic!("the first begins") };
+    assert_eq!(p.held(first).map(|h| h.attempt), Some(2));
+    assert_eq!(p.next(now), Next::Idle, "the second does not run");
+    match effects(&mut p).as_slice() {
+        [Effect::DeadLetter { reason: "max-attempts", detail, .. }] => assert!(detail.contains("forcing a restore")),
+        other => panic!("expected a dead letter, got {other:?}"),
+    }
+}
+
+#[test]
+fn with_stores_an_input_the_restored_state_reflects_is_finished_without_running() {
+    let now = Instant::now();
+    let mut cfg = config(Discipline::Ordered);
+    cfg.durable = true;
+    let mut p = partition(cfg, 4);
+    p.restored_to(4);
+    // The input the restore reflects comes again (its ack was lost): skipped, yet
+    // committable in order.
+    p.arrive(EnvelopeKind::Data, Msg { seq: 4, delivered: 2 }, now);
+    p.arrive(EnvelopeKind::Data, Msg { seq: 5, delivered: 1 }, now);
+    let Next::Begin(next) = p.next(now) else { panic!("the new one begins") };
+    assert_eq!(p.held(next).map(|h| h.msg.seq), Some(5));
+    assert_eq!(p.committable_seq(), Some(4));
+    p.returned_ok(next);
+    assert!(p.any_applied());
+    assert_eq!(p.applied_through(), 5);
+}
+
+#[test]
+fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores() {
+    let now = Instant::now();
+    let mut cfg = config(Discipline::Ordered);
+    cfg.durable = true;
+    let mut p = partition(cfg, 2);
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    p.failed(orders[0], "flaky", 0.5);
+    p.returned_ok(orders[1]);
+    p.process_done(orders[1]);
+    p.effects_stored(orders[1]);
+    effects(&mut p);
+    assert_eq!(p.hand_back_backing_off(), 1);
+    match effects(&mut p).as_slice() {
+        [Effect::HandBack { msg, interrupted: true }] => assert_eq!(msg.seq, 1),
+        other => panic!("expected the first handed back, got {other:?}"),
+    }
+    assert_eq!(p.readiness().in_flight(), 0);
+    assert!(p.commit_blocked_by_hand_back(), "the second's changes cannot be committed apart from the first");
+    assert!(!p.readiness().uncommitted(), "the commit position stays before the one handed back");
+}
+
+#[test]
+fn without_stores_a_hand_back_blocks_no_commit() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 2);
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    p.failed(orders[0], "flaky", 0.5);
+    p.process_done(orders[1]);
+    p.effects_stored(orders[1]);
+    p.hand_back_backing_off();
+    assert!(!p.commit_blocked_by_hand_back());
+}
+
+#[test]
+fn unstarted_messages_are_handed_back_and_credited_and_their_claims_dropped() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 1);
+    let orders = deliver_and_begin(&mut p, &[1, 2, 3], now);
+    assert_eq!(orders.len(), 1);
+    p.hand_back_unstarted();
+    let out = effects(&mut p);
+    let back: Vec<u64> =
+        out.iter().filter_map(|e| if let Effect::HandBack { msg, .. } = e { Some(msg.seq) } else { None }).collect();
+    assert_eq!(back, vec![2, 3]);
+    assert_eq!(credit(&out), 2);
+    p.process_done(orders[0]);
+    p.effects_stored(orders[0]);
+    let positions = p.readiness().committable().clone();
+    p.commit(positions);
+    assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::Ack)], "the commit covers only the one that ran");
+}
+
+#[test]
+fn release_all_hands_back_everything_in_order_and_abandon_nothing() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 2);
+    deliver_and_begin(&mut p, &[1, 2, 3], now);
+    p.release_all(false);
+    let back: Vec<(u64, bool)> = effects(&mut p)
+        .into_iter()
+        .filter_map(|e| if let Effect::HandBack { msg, interrupted } = e { Some((msg.seq, interrupted)) } else { None })
+        .collect();
+    assert_eq!(back, vec![(3, false), (1, false), (2, false)], "the unstarted first, then what ran, in order");
+    let mut q = partition(config(Discipline::Queue), 2);
+    deliver_and_begin(&mut q, &[1, 2, 3], now);
+    q.abandon();
+    assert!(effects(&mut q).is_empty(), "a fenced worker acknowledges and hands back nothing");
+    assert!(!q.holds());
+}
+
+#[test]
+fn keep_alive_sends_in_progress_acks_every_third_of_ack_wait() {
+    let now = Instant::now();
+    let ack_wait = Duration::from_secs(30);
+    let mut p = partition(config(Discipline::Ordered), 1);
+    deliver_and_begin(&mut p, &[1, 2], now);
+    p.keep_alive(now + Duration::from_secs(5), ack_wait);
+    assert!(effects(&mut p).is_empty());
+    let later = now + Duration::from_secs(10);
+    p.keep_alive(later, ack_wait);
+    assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::InProgress), (2, AckKind::InProgress)]);
+    p.keep_alive(later + Duration::from_secs(1), ack_wait);
+    assert!(effects(&mut p).is_empty(), "kept alive just now");
+
+    let mut q = partition(config(Discipline::Queue), 1);
+    deliver_and_begin(&mut q, &[1, 2], now);
+    q.keep_alive(later, ack_wait);
+    assert_eq!(acks(&effects(&mut q)), vec![(1, AckKind::InProgress)], "only what runs; the queued one is not held");
+}
+
+#[test]
+fn a_queue_marker_is_claimed_and_acked_by_the_commit() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 1);
+    p.arrive(EnvelopeKind::EndOfStream, Msg { seq: 9, delivered: 1 }, now);
+    assert!(p.holds() || p.held_count() == 0);
+    assert_eq!(p.next(now), Next::EndOfStream);
+    let positions = p.readiness().committable().clone();
+    p.commit(positions);
+    let out = effects(&mut p);
+    assert_eq!(acks(&out), vec![(9, AckKind::Ack)]);
+    assert_eq!(credit(&out), 1);
+}
