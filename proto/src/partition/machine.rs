@@ -719,3 +719,6 @@ impl<M: Delivered> Partition<M> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod props;

@@ -1,0 +1,279 @@
+//! Properties of the partition machine under any order of outcomes: messages arrive,
+//! start as the machine allows, and each attempt ends in any way a task's can (done,
+//! failed, unavailable, dead-lettered, outputs refused); retries come due in any order,
+//! commits run when asked for, and the worker may be stopped at any point. Whatever
+//! happens:
+//!
+//! * the readiness machine's in-flight count is the number of held messages that count
+//!   (one owner, two views that never disagree), and never above `max_concurrency`;
+//! * every message ends exactly once — acked, nak'd, terminated, committed or handed
+//!   back — and is credited to the container exactly once, except what a stop hands back
+//!   mid-retry (it stays before the commit position);
+//! * an ordered partition's ack-alls go up, and never cover a message that did not
+//!   finish: the commit position stays before anything held, handed back or not started.
+
+use super::*;
+use proptest::prelude::*;
+use std::collections::BTreeSet;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Msg {
+    seq: u64,
+}
+
+impl Delivered for Msg {
+    type Token = u64;
+    fn stream_seq(&self) -> u64 {
+        self.seq
+    }
+    fn delivered(&self) -> u64 {
+        1
+    }
+    fn token(&self) -> &u64 {
+        &self.seq
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Done,
+    Failed,
+    Unavailable,
+    DeadLetter,
+    Refused,
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Arrive,
+    /// Run what the machine allows; an attempt that starts ends with the picked outcome.
+    Run(Vec<Outcome>),
+    /// One retry waiting out its back-off (picked) comes due.
+    RetryDue(u16),
+    /// A stop hands back what has not started and what backs off.
+    Stop,
+}
+
+fn outcome() -> impl Strategy<Value = Outcome> {
+    prop_oneof![
+        6 => Just(Outcome::Done),
+        2 => Just(Outcome::Failed),
+        1 => Just(Outcome::Unavailable),
+        1 => Just(Outcome::DeadLetter),
+        1 => Just(Outcome::Refused),
+    ]
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        5 => Just(Step::Arrive),
+        5 => proptest::collection::vec(outcome(), 1..6).prop_map(Step::Run),
+        3 => any::<u16>().prop_map(Step::RetryDue),
+        1 => Just(Step::Stop),
+    ]
+}
+
+/// What the worker saw the machine decide.
+#[derive(Default)]
+struct Seen {
+    credit: usize,
+    /// Per message: how it ended (ack, nak, term, handed back).
+    ended: BTreeMap<u64, Vec<&'static str>>,
+    commits: Vec<u64>,
+    backing_off: BTreeSet<u64>,
+    /// How many a stop handed back while they waited out a back-off.
+    handed_back_mid_retry: usize,
+}
+
+fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool) {
+    while let Some(effect) = p.poll_effect() {
+        match effect {
+            Effect::Ack(seq, AckKind::Ack) if ordered => seen.commits.push(seq),
+            Effect::Ack(seq, AckKind::Ack) => seen.ended.entry(seq).or_default().push("ack"),
+            Effect::Ack(seq, AckKind::Nak(_)) => seen.ended.entry(seq).or_default().push("nak"),
+            Effect::Ack(seq, AckKind::Term) => seen.ended.entry(seq).or_default().push("term"),
+            Effect::Ack(_, AckKind::InProgress) => {}
+            Effect::RetryAfter { order, .. } => {
+                seen.backing_off.insert(order);
+            }
+            Effect::DeadLetter { order, .. } => {
+                // The dead letter is stored at once.
+                p.dead_lettered(order);
+            }
+            Effect::HandBack { msg, .. } => seen.ended.entry(msg.seq).or_default().push("back"),
+            Effect::Credit(n) => seen.credit += n,
+        }
+    }
+}
+
+fn check_counts(p: &Partition<Msg>, max_concurrency: usize) -> Result<(), TestCaseError> {
+    let counted = p.held.values().filter(|h| h.counted).count();
+    prop_assert_eq!(p.readiness().in_flight(), counted, "in flight is the held messages that count");
+    prop_assert!(counted <= max_concurrency);
+    Ok(())
+}
+
+fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let now = Instant::now();
+    let config = Config {
+        discipline: if ordered { Discipline::Ordered } else { Discipline::Queue },
+        retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
+        unavailable_retries: 1,
+        window: 3,
+        durable,
+        blamed: Vec::new(),
+    };
+    let mut p = Partition::new(config, TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
+    let mut seen = Seen::default();
+    let mut arrived = 0u64;
+    let mut stopped = false;
+    for step in steps {
+        match step {
+            Step::Arrive if !stopped => {
+                arrived += 1;
+                p.arrive(EnvelopeKind::Data, Msg { seq: arrived }, now);
+            }
+            Step::Arrive => {}
+            Step::Run(outcomes) => {
+                for outcome in outcomes {
+                    let order = match p.next(now) {
+                        Next::Begin(order) | Next::Retry(order) => order,
+                        Next::Commit => {
+                            let positions = p.readiness().committable().clone();
+                            p.commit(positions);
+                            drain(&mut p, &mut seen, ordered);
+                            continue;
+                        }
+                        _ => break,
+                    };
+                    seen.backing_off.remove(&order);
+                    if !p.start(order, now) {
+                        drain(&mut p, &mut seen, ordered);
+                        continue;
+                    }
+                    p.running(order);
+                    match outcome {
+                        Outcome::Done => {
+                            p.returned_ok(order);
+                            p.process_done(order);
+                            p.effects_stored(order);
+                        }
+                        Outcome::Failed => {
+                            p.failed(order, "failed", 0.5);
+                        }
+                        Outcome::Unavailable => {
+                            p.unavailable(order, "down", now, 0.5);
+                        }
+                        Outcome::DeadLetter => p.dead_letter(order, "poison", "poison".into()),
+                        Outcome::Refused => {
+                            p.process_done(order);
+                            p.recount(order, now);
+                            p.failed(order, "refused", 0.5);
+                        }
+                    }
+                    drain(&mut p, &mut seen, ordered);
+                    check_counts(&p, max_concurrency)?;
+                }
+            }
+            Step::RetryDue(pick) => {
+                let waiting: Vec<u64> = seen.backing_off.iter().copied().collect();
+                if !waiting.is_empty() {
+                    let order = waiting[usize::from(pick) % waiting.len()];
+                    seen.backing_off.remove(&order);
+                    p.retry_due(order);
+                }
+            }
+            Step::Stop if !stopped => {
+                stopped = true;
+                p.hand_back_unstarted();
+                seen.handed_back_mid_retry = p.hand_back_backing_off();
+                seen.backing_off.clear();
+                drain(&mut p, &mut seen, ordered);
+            }
+            Step::Stop => {}
+        }
+        drain(&mut p, &mut seen, ordered);
+        check_counts(&p, max_concurrency)?;
+        prop_assert!(seen.commits.windows(2).all(|w| w[0] < w[1]), "ack-alls go up: {:?}", seen.commits);
+        if let Some(&last) = seen.commits.last() {
+            for h in p.held.values() {
+                prop_assert!(h.msg.seq > last, "the commit at {} covers {}, still held", last, h.msg.seq);
+            }
+            for (seq, ends) in &seen.ended {
+                if ends.contains(&"back") {
+                    prop_assert!(*seq > last, "the commit at {} covers {}, handed back", last, seq);
+                }
+            }
+        }
+    }
+    // Let everything still running finish, retries come due, and the last commit run.
+    for _ in 0..(4 * arrived + 8) {
+        for order in std::mem::take(&mut seen.backing_off) {
+            p.retry_due(order);
+        }
+        match p.next(now) {
+            Next::Begin(order) | Next::Retry(order) => {
+                if p.start(order, now) {
+                    p.returned_ok(order);
+                    p.process_done(order);
+                    p.effects_stored(order);
+                }
+            }
+            Next::Commit => {
+                let positions = p.readiness().committable().clone();
+                p.commit(positions);
+            }
+            _ => {
+                p.readiness_mut().request_commit();
+                if p.next(now) == Next::Commit {
+                    let positions = p.readiness().committable().clone();
+                    p.commit(positions);
+                }
+            }
+        }
+        drain(&mut p, &mut seen, ordered);
+        check_counts(&p, max_concurrency)?;
+    }
+    prop_assert_eq!(p.held_count(), 0, "everything finished");
+    let mid_retry = seen.handed_back_mid_retry;
+    if ordered {
+        // Each message is credited once, by the commit that covered it or its hand-back
+        // unstarted; what a stop handed back mid-retry is not, nor what finished after
+        // it (its claim stays: the commit position never passes the hand-back).
+        prop_assert_eq!(seen.credit + p.claims.len() + mid_retry, arrived as usize, "credit");
+        if mid_retry == 0 {
+            prop_assert!(p.claims.is_empty(), "everything committed");
+        }
+        if !stopped && arrived > 0 {
+            prop_assert_eq!(seen.commits.last().copied(), Some(arrived), "the last commit covers everything");
+        }
+    } else {
+        for seq in 1..=arrived {
+            let ends = seen.ended.get(&seq).map_or(&[][..], Vec::as_slice);
+            prop_assert_eq!(ends.len(), 1, "message {} ended once: {:?}", seq, ends);
+        }
+        prop_assert_eq!(seen.credit + mid_retry, arrived as usize, "credited once, but for hand-backs mid-retry");
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn an_ordered_partition_finishes_and_counts_every_message_once(
+        durable in any::<bool>(),
+        max_concurrency in 1usize..4,
+        steps in proptest::collection::vec(step(), 1..60),
+    ) {
+        run(true, durable, max_concurrency, steps)?;
+    }
+
+    #[test]
+    fn a_queue_input_ends_and_counts_every_message_once(
+        max_concurrency in 1usize..4,
+        steps in proptest::collection::vec(step(), 1..60),
+    ) {
+        run(false, false, max_concurrency, steps)?;
+    }
+}
