@@ -13,35 +13,27 @@ impl<T: Task> TaskWorker<T> {
         self.arm_ticks();
     }
 
-    /// Arms the ticks this worker needs now, and only those: completions wait for a
-    /// commit at most a commit interval (armed when the first is done), and held
-    /// messages get in-progress acks every third of ack-wait (armed while any is held).
-    /// Ticks every interval for every partition would cost an idle node with thousands
+    /// Arms one tick for the partition's earliest deadline ([`Partition::poll_timeout`]:
+    /// retries, the commit interval, keep-alives, the callback check), unless one is on
+    /// its way for it already. An idle partition has no deadline and gets no ticks:
+    /// ticks every interval for every partition would cost an idle node with thousands
     /// of them more than their claims.
     pub(super) fn arm_ticks(&mut self) {
         if self.finished {
             return;
         }
         let Some(me) = &self.self_recipient else { return };
-        if !self.commit_tick_armed && self.part.readiness().uncommitted() {
-            self.commit_tick_armed = true;
-            self.timers.do_send(After { delay: self.config.commit_interval, target: me.clone(), tick: Tick::Commit });
+        let now = Instant::now().into_std();
+        let Some(at) = self.part.poll_timeout(now) else { return };
+        if self.tick_at.is_some_and(|armed| armed <= at) {
+            return;
         }
-        if let Some(timeout) = self.config.callback_timeout
-            && !self.timeout_check_armed
-            && self.part.readiness().in_flight() > 0
-        {
-            // Checked every quarter of the timeout while something runs: an idle
-            // partition gets no ticks.
-            self.timeout_check_armed = true;
-            let delay = (timeout / 4).max(Duration::from_millis(10));
-            self.timers.do_send(After { delay, target: me.clone(), tick: Tick::CheckTimeouts });
-        }
-        if !self.heartbeat_armed && self.part.holds() {
-            self.heartbeat_armed = true;
-            let beat = (self.config.ack_wait / 3).max(Duration::from_millis(50));
-            self.timers.do_send(After { delay: beat, target: me.clone(), tick: Tick::Heartbeat });
-        }
+        self.tick_at = Some(at);
+        self.timers.do_send(After {
+            delay: at.saturating_duration_since(now),
+            target: me.clone(),
+            tick: Tick::Deadline,
+        });
     }
 
     pub(super) fn drive_ops(&mut self, ctx: &mut Context<Self>) {

@@ -10,7 +10,7 @@ impl<T: Task> TaskWorker<T> {
         let (seq, attempt) = (h.msg.delivery.info.stream_seq, h.attempt);
         self.metrics.failed_attempts.increment(1);
         let (stream, partition) = (self.binding.stream, self.binding.partition);
-        match self.part.failed(order, &reason, crate::retry::sample()) {
+        match self.part.failed(order, &reason, Instant::now().into_std(), crate::retry::sample()) {
             Some(AfterFailure::DeadLetter) => {
                 debug!(stream, partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
             }
@@ -49,8 +49,8 @@ impl<T: Task> TaskWorker<T> {
                     }
                 }
                 Ok(Err(e)) => {
-                    warn!(error = %e, "dead letter not stored; trying again in 1 s");
-                    act.part.dead_letter_refused(order, reason, detail, Duration::from_secs(1));
+                    warn!(error = %e, "dead letter not stored; trying again in {:?}", machine::DEAD_LETTER_RETRY);
+                    act.part.dead_letter_refused(order, reason, detail, Instant::now().into_std());
                 }
                 Err(mailbox) => act.fail(format!("reaper unavailable: {mailbox}"), ctx),
             }

@@ -304,13 +304,8 @@ pub struct TaskWorker<T: Task> {
     acks: Vec<(AckToken, AckKind)>,
     /// Messages finished during this turn, not yet reported to the container.
     completed: usize,
-    /// A commit tick is on its way (armed when completions wait for a commit, so an
-    /// idle partition gets no ticks).
-    commit_tick_armed: bool,
-    /// A heartbeat tick is on its way (armed while messages are held).
-    heartbeat_armed: bool,
-    /// A callback-timeout check is on its way (armed while messages are in flight).
-    timeout_check_armed: bool,
+    /// The deadline the last [`Tick::Deadline`] on its way was armed for.
+    tick_at: Option<std::time::Instant>,
     /// Output batches published and not yet stored (or given up).
     flushes_in_flight: usize,
     /// Tasks with stores (ordered inputs).
@@ -363,6 +358,11 @@ impl<T: Task> TaskWorker<T> {
             window: config.window,
             durable: false,
             blamed: binding.start.as_ref().map(|s| s.blamed.clone()).unwrap_or_default(),
+            timing: machine::Timing {
+                commit_interval: config.commit_interval,
+                ack_wait: config.ack_wait,
+                callback_timeout: config.callback_timeout,
+            },
         };
         Self {
             metrics,
@@ -387,9 +387,7 @@ impl<T: Task> TaskWorker<T> {
             publishing: false,
             acks: Vec::new(),
             completed: 0,
-            commit_tick_armed: false,
-            heartbeat_armed: false,
-            timeout_check_armed: false,
+            tick_at: None,
             flushes_in_flight: 0,
             durable: None,
             hook_at: (0, 0),
@@ -435,9 +433,6 @@ impl<T: Task> TaskWorker<T> {
             match effect {
                 Effect::Ack(token, kind) => self.acks.push((token, kind)),
                 Effect::Credit(count) => self.completed += count,
-                Effect::RetryAfter { order, delay } => {
-                    self.timers.do_send(After { delay, target: ctx.address().recipient(), tick: Tick::Retry(order) });
-                }
                 Effect::DeadLetter { order, reason, detail, attempts } => {
                     self.send_dead_letter(order, reason, detail, attempts, ctx);
                 }
@@ -586,36 +581,25 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
 
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
-            Tick::Commit => {
-                self.commit_tick_armed = false;
-                if self.part.readiness().uncommitted() {
-                    self.part.readiness_mut().request_commit();
+            Tick::Deadline => {
+                // Whichever tick this is, the next turn arms one for what is left.
+                self.tick_at = None;
+                // A fenced worker keeps nothing alive: the turn below stops it.
+                if !self.binding.fenced()
+                    && let Some(order) = self.part.handle_timeout(Instant::now().into_std())
+                {
+                    self.suspect_ended_owner(order);
+                    let seq = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq);
+                    let timeout = self.config.callback_timeout.unwrap_or_default();
+                    self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);
+                    return;
                 }
             }
             Tick::Window => self.part.readiness_mut().request_window(),
-            Tick::Heartbeat => {
-                self.heartbeat_armed = false;
-                if !self.binding.fenced() {
-                    self.part.keep_alive(Instant::now().into_std(), self.config.ack_wait);
-                }
-            }
-            Tick::CheckTimeouts => {
-                self.timeout_check_armed = false;
-                if let Some(timeout) = self.config.callback_timeout {
-                    let late = self.part.readiness().timed_out(Instant::now().into_std(), timeout);
-                    if let Some(&order) = late.first() {
-                        self.suspect_ended_owner(order);
-                        let seq = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq);
-                        self.fail(format!("callback for message {seq:?} did not complete within {timeout:?}"), ctx);
-                        return;
-                    }
-                }
-            }
             Tick::UserTimer(name) => {
                 self.due_timers.push(name);
                 self.part.readiness_mut().request_timer();
             }
-            Tick::Retry(order) => self.part.retry_due(order),
             Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan | Tick::Renew => {}
         }
         self.drive(ctx);

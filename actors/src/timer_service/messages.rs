@@ -7,16 +7,11 @@ use std::time::Duration;
 pub enum Tick {
     /// The window interval elapsed.
     Window,
-    /// The commit interval elapsed.
-    Commit,
-    /// Time to send in-progress acks for long work.
-    Heartbeat,
-    /// Time to look for callbacks past their timeout.
-    CheckTimeouts,
     /// A user timer is due.
     UserTimer(String),
-    /// A message's retry backoff is over.
-    Retry(u64),
+    /// A task worker's partition has a deadline now (a retry's back-off, the commit
+    /// interval, a keep-alive, the callback check).
+    Deadline,
     /// Time to look at the backlog.
     Backlog,
     /// Time to sweep for stranded messages.

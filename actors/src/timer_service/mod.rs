@@ -476,11 +476,11 @@ mod tests {
             .await
             .expect("every");
         let once = timers
-            .send(After { delay: Duration::from_secs(90), target: rec.clone().recipient(), tick: Tick::Retry(7) })
+            .send(After { delay: Duration::from_secs(90), target: rec.clone().recipient(), tick: Tick::Restart(7) })
             .await
             .expect("after");
         let cancelled = timers
-            .send(After { delay: Duration::from_secs(30), target: rec.recipient(), tick: Tick::Commit })
+            .send(After { delay: Duration::from_secs(30), target: rec.recipient(), tick: Tick::Deadline })
             .await
             .expect("after");
         timers.send(Cancel(cancelled)).await.expect("cancel");
@@ -490,8 +490,8 @@ mod tests {
         let ticks: Vec<_> = seen.iter().map(|(at, t)| (at.duration_since(start).as_secs(), t.clone())).collect();
         assert_eq!(
             ticks,
-            vec![(90, Tick::Retry(7)), (600, Tick::Window), (1200, Tick::Window), (1800, Tick::Window)],
-            "three 10-minute windows and one retry, no cancelled commit"
+            vec![(90, Tick::Restart(7)), (600, Tick::Window), (1200, Tick::Window), (1800, Tick::Window)],
+            "three 10-minute windows and the one-off, not the cancelled one"
         );
     }
 
@@ -510,7 +510,7 @@ mod tests {
             // Delays 1..=1000 s in a scrambled order.
             let delay = Duration::from_secs(1 + (i * 7919) % 1000);
             let id = timers
-                .send(After { delay, target: rec.clone().recipient(), tick: Tick::Retry(delay.as_secs()) })
+                .send(After { delay, target: rec.clone().recipient(), tick: Tick::Restart(delay.as_secs() as usize) })
                 .await
                 .expect("after");
             if i % 10 == 0 {
@@ -526,7 +526,7 @@ mod tests {
             .expect("every");
         let gone = Recorder(Arc::new(Mutex::new(Vec::new()))).start();
         timers
-            .send(Every { period: Duration::from_secs(1), target: gone.clone().recipient(), tick: Tick::Commit })
+            .send(Every { period: Duration::from_secs(1), target: gone.clone().recipient(), tick: Tick::Deadline })
             .await
             .expect("every");
         drop(gone);
@@ -535,7 +535,7 @@ mod tests {
         let retries: Vec<(u64, u64)> = seen
             .iter()
             .filter_map(|(at, t)| match t {
-                Tick::Retry(d) => Some((at.duration_since(start).as_secs(), *d)),
+                Tick::Restart(d) => Some((at.duration_since(start).as_secs(), *d as u64)),
                 _ => None,
             })
             .collect();
@@ -589,7 +589,7 @@ mod tests {
         let rec = Recorder(seen.clone()).start();
         let timers = TimerService::default().start();
         timers
-            .send(After { delay: Duration::MAX, target: rec.clone().recipient(), tick: Tick::Retry(1) })
+            .send(After { delay: Duration::MAX, target: rec.clone().recipient(), tick: Tick::Restart(1) })
             .await
             .expect("the service answers");
         timers
@@ -597,10 +597,13 @@ mod tests {
             .await
             .expect("the service answers");
         timers
-            .send(After { delay: Duration::from_secs(1), target: rec.recipient(), tick: Tick::Retry(2) })
+            .send(After { delay: Duration::from_secs(1), target: rec.recipient(), tick: Tick::Restart(2) })
             .await
             .expect("still alive");
         tokio::time::sleep(Duration::from_secs(2)).await;
-        assert_eq!(seen.lock().expect("lock").iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(), vec![Tick::Retry(2)]);
+        assert_eq!(
+            seen.lock().expect("lock").iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(),
+            vec![Tick::Restart(2)]
+        );
     }
 }

@@ -27,14 +27,18 @@
 //! * **hand-backs** — a stop hands back what has not started and what waits out a
 //!   back-off (queue: nak without delay; ordered: nothing, the next owner resets);
 //!   once something was handed back mid-retry, nothing after it may be committed;
-//! * **keep-alive** — held messages get an in-progress ack every third of ack-wait.
+//! * **keep-alive** — held messages get an in-progress ack every third of ack-wait;
+//! * **time** — the machine keeps its own deadlines (retries, the commit interval,
+//!   keep-alives, the callback-timeout check), armed only while needed so an idle
+//!   partition has none: the worker asks [`Partition::poll_timeout`] for the earliest
+//!   and calls [`Partition::handle_timeout`] when it comes.
 
 use super::AckKind;
 use super::intake::{Admission, AfterFailure, Discipline, Intake, commit_due, progress_due};
 use super::readiness::{EnvelopeKind, Op, Pending, TaskState};
 use crate::backoff::{RetryPolicy, UNAVAILABLE};
 use rustc_hash::FxHashMap;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 /// What the machine needs to know of a delivery the worker holds.
@@ -66,6 +70,8 @@ pub struct Config {
     /// Messages (stream sequences) that forced restores of the partition before this
     /// worker, and how many each: each counts as one of its attempts.
     pub blamed: Vec<(u64, u32)>,
+    /// The partition's clocks.
+    pub timing: Timing,
 }
 
 /// A message the worker holds from the start of its first attempt to its finish.
@@ -113,13 +119,6 @@ struct Claim<T> {
 pub enum Effect<M: Delivered> {
     /// Send this acknowledgement (with the others of the turn).
     Ack(M::Token, AckKind),
-    /// Feed [`Partition::retry_due`] for `order` after `delay`.
-    RetryAfter {
-        /// The message.
-        order: u64,
-        /// How long it waits.
-        delay: Duration,
-    },
     /// Store the message at `order` in the dead-letter stream, then report
     /// [`Partition::dead_lettered`] (or [`Partition::dead_letter_refused`]).
     DeadLetter {
@@ -178,7 +177,16 @@ pub struct Partition<M: Delivered> {
     /// Claimed messages by order until committed: every message of an ordered input,
     /// only the markers of a queue input (its data messages are acked one by one).
     claims: BTreeMap<u64, Claim<M::Token>>,
+    /// Retries due to start, in the order they came due.
     retries: VecDeque<u64>,
+    /// Retries waiting out their back-off: (when, order).
+    backing_off: BTreeSet<(Instant, u64)>,
+    /// When the completions uncommitted now are committed at the latest.
+    commit_at: Option<Instant>,
+    /// When held messages are next kept alive.
+    keep_alive_at: Option<Instant>,
+    /// When running callbacks are next checked against their timeout.
+    check_at: Option<Instant>,
     last_commit: Option<M::Token>,
     /// Inputs up to this stream sequence are applied (with stores: to the restored
     /// state already, so they are skipped when they come again).
@@ -199,6 +207,10 @@ impl<M: Delivered> Partition<M> {
             held: FxHashMap::default(),
             claims: BTreeMap::new(),
             retries: VecDeque::new(),
+            backing_off: BTreeSet::new(),
+            commit_at: None,
+            keep_alive_at: None,
+            check_at: None,
             last_commit: None,
             applied_through: 0,
             handed_back_mid_retry: None,
@@ -344,7 +356,8 @@ impl<M: Delivered> Partition<M> {
     }
 
     /// A routed message is ready for an attempt (its hand-backs counted, its suspect
-    /// record stored): it starts at the next [`next`](Self::next).
+    /// record stored), or a retry's back-off is over: it starts at the next
+    /// [`next`](Self::next).
     pub fn retry_due(&mut self, order: u64) {
         self.retries.push_back(order);
     }
@@ -474,7 +487,7 @@ impl<M: Delivered> Partition<M> {
     /// One attempt failed: retry (in place or by a nak) after the policy's back-off,
     /// `sample` jittering it, or dead-letter it on its last attempt. What was decided,
     /// `None` when the message is not held.
-    pub fn failed(&mut self, order: u64, reason: &str, sample: f64) -> Option<AfterFailure> {
+    pub fn failed(&mut self, order: u64, reason: &str, now: Instant, sample: f64) -> Option<AfterFailure> {
         let attempt = self.held.get(&order)?.attempt;
         let after = self.config.discipline.after_failure(attempt, &self.config.retry, sample);
         match after {
@@ -488,7 +501,7 @@ impl<M: Delivered> Partition<M> {
                 h.started = None;
                 h.backing_off = true;
                 self.state.attempt_paused(order);
-                self.effects.push_back(Effect::RetryAfter { order, delay });
+                self.backing_off.insert((now + delay, order));
             }
             AfterFailure::Nak(delay) => {
                 let token = self.held.get(&order)?.msg.token().clone();
@@ -511,13 +524,13 @@ impl<M: Delivered> Partition<M> {
         let n = h.unavailable;
         if n > self.config.unavailable_retries {
             let limit = self.config.unavailable_retries;
-            self.failed(order, &format!("{reason} (still unavailable after {limit} retries)"), sample);
+            self.failed(order, &format!("{reason} (still unavailable after {limit} retries)"), now, sample);
             return None;
         }
         let delay = UNAVAILABLE.wait(n, sample);
         h.backing_off = true;
         self.state.attempt_paused(order);
-        self.effects.push_back(Effect::RetryAfter { order, delay });
+        self.backing_off.insert((now + delay, order));
         Some(delay)
     }
 
@@ -546,11 +559,12 @@ impl<M: Delivered> Partition<M> {
         }
     }
 
-    /// Its dead letter could not be stored: try again after `delay`, at its next start.
-    pub fn dead_letter_refused(&mut self, order: u64, reason: &'static str, detail: String, delay: Duration) {
+    /// Its dead letter could not be stored at `now`: it is tried again
+    /// [`DEAD_LETTER_RETRY`] later, at its next start.
+    pub fn dead_letter_refused(&mut self, order: u64, reason: &'static str, detail: String, now: Instant) {
         if let Some(h) = self.held.get_mut(&order) {
             h.dead_letter = Some((reason, detail));
-            self.effects.push_back(Effect::RetryAfter { order, delay });
+            self.backing_off.insert((now + DEAD_LETTER_RETRY, order));
         }
     }
 
@@ -633,25 +647,6 @@ impl<M: Delivered> Partition<M> {
         self.last_commit.as_ref()
     }
 
-    /// In-progress acks for what is held and was not kept alive for a third of
-    /// `ack_wait`: claims of an ordered input, running messages of a queue input.
-    pub fn keep_alive(&mut self, now: Instant, ack_wait: Duration) {
-        if self.ordered() {
-            for c in self.claims.values_mut() {
-                if progress_due(c.at, now, ack_wait) {
-                    c.at = now;
-                    self.effects.push_back(Effect::Ack(c.token.clone(), AckKind::InProgress));
-                }
-            }
-        } else {
-            for h in self.held.values() {
-                if h.started.is_some_and(|s| progress_due(s, now, ack_wait)) {
-                    self.effects.push_back(Effect::Ack(h.msg.token().clone(), AckKind::InProgress));
-                }
-            }
-        }
-    }
-
     // ---- hand-backs and the end ----
 
     /// Hands back (interrupted) what was claimed and never started — for example what
@@ -673,6 +668,7 @@ impl<M: Delivered> Partition<M> {
         if let Some(&first) = waiting.first() {
             self.handed_back_mid_retry = Some(self.handed_back_mid_retry.map_or(first, |h| h.min(first)));
         }
+        self.backing_off.retain(|(_, order)| waiting.binary_search(order).is_err());
         for &order in &waiting {
             let Some(h) = self.held.remove(&order) else { continue };
             self.claims.remove(&order);
@@ -714,8 +710,13 @@ impl<M: Delivered> Partition<M> {
         self.held.clear();
         self.claims.clear();
         self.retries.clear();
+        self.backing_off.clear();
     }
 }
+
+mod time;
+
+pub use time::{DEAD_LETTER_RETRY, Timing};
 
 #[cfg(test)]
 mod tests;

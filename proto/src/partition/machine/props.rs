@@ -14,7 +14,6 @@
 
 use super::*;
 use proptest::prelude::*;
-use std::collections::BTreeSet;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Msg {
@@ -80,7 +79,6 @@ struct Seen {
     /// Per message: how it ended (ack, nak, term, handed back).
     ended: BTreeMap<u64, Vec<&'static str>>,
     commits: Vec<u64>,
-    backing_off: BTreeSet<u64>,
     /// How many a stop handed back while they waited out a back-off.
     handed_back_mid_retry: usize,
 }
@@ -93,9 +91,6 @@ fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool) {
             Effect::Ack(seq, AckKind::Nak(_)) => seen.ended.entry(seq).or_default().push("nak"),
             Effect::Ack(seq, AckKind::Term) => seen.ended.entry(seq).or_default().push("term"),
             Effect::Ack(_, AckKind::InProgress) => {}
-            Effect::RetryAfter { order, .. } => {
-                seen.backing_off.insert(order);
-            }
             Effect::DeadLetter { order, .. } => {
                 // The dead letter is stored at once.
                 p.dead_lettered(order);
@@ -122,6 +117,11 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         window: 3,
         durable,
         blamed: Vec::new(),
+        timing: Timing {
+            commit_interval: Duration::from_secs(1),
+            ack_wait: Duration::from_secs(30),
+            callback_timeout: None,
+        },
     };
     let mut p = Partition::new(config, TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
     let mut seen = Seen::default();
@@ -146,7 +146,6 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                         }
                         _ => break,
                     };
-                    seen.backing_off.remove(&order);
                     if !p.start(order, now) {
                         drain(&mut p, &mut seen, ordered);
                         continue;
@@ -159,7 +158,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                             p.effects_stored(order);
                         }
                         Outcome::Failed => {
-                            p.failed(order, "failed", 0.5);
+                            p.failed(order, "failed", now, 0.5);
                         }
                         Outcome::Unavailable => {
                             p.unavailable(order, "down", now, 0.5);
@@ -168,7 +167,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                         Outcome::Refused => {
                             p.process_done(order);
                             p.recount(order, now);
-                            p.failed(order, "refused", 0.5);
+                            p.failed(order, "refused", now, 0.5);
                         }
                     }
                     drain(&mut p, &mut seen, ordered);
@@ -176,18 +175,18 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                 }
             }
             Step::RetryDue(pick) => {
-                let waiting: Vec<u64> = seen.backing_off.iter().copied().collect();
+                // Back-offs end in any order (their waits are jittered).
+                let waiting: Vec<(Instant, u64)> = p.backing_off.iter().copied().collect();
                 if !waiting.is_empty() {
-                    let order = waiting[usize::from(pick) % waiting.len()];
-                    seen.backing_off.remove(&order);
-                    p.retry_due(order);
+                    let due = waiting[usize::from(pick) % waiting.len()];
+                    p.backing_off.remove(&due);
+                    p.retry_due(due.1);
                 }
             }
             Step::Stop if !stopped => {
                 stopped = true;
                 p.hand_back_unstarted();
                 seen.handed_back_mid_retry = p.hand_back_backing_off();
-                seen.backing_off.clear();
                 drain(&mut p, &mut seen, ordered);
             }
             Step::Stop => {}
@@ -208,9 +207,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
     }
     // Let everything still running finish, retries come due, and the last commit run.
     for _ in 0..(4 * arrived + 8) {
-        for order in std::mem::take(&mut seen.backing_off) {
-            p.retry_due(order);
-        }
+        p.handle_timeout(now + Duration::from_secs(3600));
         match p.next(now) {
             Next::Begin(order) | Next::Retry(order) => {
                 if p.start(order, now) {

@@ -28,6 +28,11 @@ fn config(discipline: Discipline) -> Config {
         window: 4,
         durable: false,
         blamed: Vec::new(),
+        timing: Timing {
+            commit_interval: Duration::from_secs(1),
+            ack_wait: Duration::from_secs(30),
+            callback_timeout: Some(Duration::from_secs(60)),
+        },
     }
 }
 
@@ -130,23 +135,27 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
     let mut p = partition(config(Discipline::Ordered), 1);
     let order = deliver_and_begin(&mut p, &[3], now)[0];
     p.running(order);
-    assert!(matches!(p.failed(order, "boom", 0.5), Some(AfterFailure::RetryInPlace(_))));
-    let out = effects(&mut p);
-    assert!(matches!(out.as_slice(), [Effect::RetryAfter { order: o, .. }] if *o == order));
+    let Some(AfterFailure::RetryInPlace(delay)) = p.failed(order, "boom", now, 0.5) else {
+        panic!("an ordered failure is retried in place")
+    };
+    assert!(effects(&mut p).is_empty());
     assert_eq!(p.held(order).map(|h| h.attempt), Some(2));
     assert_eq!(p.readiness().in_flight(), 1, "it still holds its place: the partition waits");
     assert_eq!(p.next(now), Next::Idle, "nothing else starts while it backs off");
-    p.retry_due(order);
+    assert_eq!(p.poll_timeout(now), Some(now + delay), "its back-off is the first deadline");
+    assert_eq!(p.handle_timeout(now + delay - Duration::from_millis(1)), None);
+    assert_eq!(p.next(now), Next::Idle, "not before its back-off is over");
+    p.handle_timeout(now + delay);
     assert_eq!(p.next(now), Next::Retry(order));
     assert!(p.start(order, now));
     p.running(order);
-    p.failed(order, "boom", 0.5);
+    p.failed(order, "boom", now, 0.5);
+    p.handle_timeout(now + Duration::from_secs(60));
     effects(&mut p);
-    p.retry_due(order);
     assert_eq!(p.next(now), Next::Retry(order));
     assert!(p.start(order, now));
     p.running(order);
-    assert_eq!(p.failed(order, "boom", 0.5), Some(AfterFailure::DeadLetter));
+    assert_eq!(p.failed(order, "boom", now, 0.5), Some(AfterFailure::DeadLetter));
     match effects(&mut p).as_slice() {
         [Effect::DeadLetter { order: o, reason: "max-attempts", detail, attempts: 3 }] => {
             assert_eq!(*o, order);
@@ -164,7 +173,7 @@ fn a_queue_failure_is_nakked_with_its_back_off_and_a_dead_letter_terminates() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    match p.failed(orders[0], "no", 0.5) {
+    match p.failed(orders[0], "no", now, 0.5) {
         Some(AfterFailure::Nak(delay)) => {
             let out = effects(&mut p);
             assert_eq!(acks(&out), vec![(1, AckKind::Nak(Some(delay)))]);
@@ -185,10 +194,10 @@ fn a_dead_letter_not_stored_is_tried_again_at_the_next_start() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    p.dead_letter_refused(order, "crash-loop", "again".into(), Duration::from_secs(1));
-    assert!(
-        matches!(effects(&mut p).as_slice(), [Effect::RetryAfter { delay, .. }] if *delay == Duration::from_secs(1))
-    );
+    p.dead_letter_refused(order, "crash-loop", "again".into(), now);
+    assert!(effects(&mut p).is_empty());
+    p.handle_timeout(now + DEAD_LETTER_RETRY);
+    assert_eq!(p.next(now), Next::Retry(order), "tried again a second later");
     assert!(!p.start(order, now), "it does not run: its dead letter is due");
     assert!(matches!(effects(&mut p).as_slice(), [Effect::DeadLetter { reason: "crash-loop", .. }]));
 }
@@ -261,7 +270,7 @@ fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores
     cfg.durable = true;
     let mut p = partition(cfg, 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    p.failed(orders[0], "flaky", 0.5);
+    p.failed(orders[0], "flaky", now, 0.5);
     p.returned_ok(orders[1]);
     p.process_done(orders[1]);
     p.effects_stored(orders[1]);
@@ -281,7 +290,7 @@ fn without_stores_a_hand_back_blocks_no_commit() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    p.failed(orders[0], "flaky", 0.5);
+    p.failed(orders[0], "flaky", now, 0.5);
     p.process_done(orders[1]);
     p.effects_stored(orders[1]);
     p.hand_back_backing_off();
@@ -328,21 +337,73 @@ fn release_all_hands_back_everything_in_order_and_abandon_nothing() {
 #[test]
 fn keep_alive_sends_in_progress_acks_every_third_of_ack_wait() {
     let now = Instant::now();
-    let ack_wait = Duration::from_secs(30);
     let mut p = partition(config(Discipline::Ordered), 1);
     deliver_and_begin(&mut p, &[1, 2], now);
-    p.keep_alive(now + Duration::from_secs(5), ack_wait);
+    p.keep_alive(now + Duration::from_secs(5));
     assert!(effects(&mut p).is_empty());
     let later = now + Duration::from_secs(10);
-    p.keep_alive(later, ack_wait);
+    p.keep_alive(later);
     assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::InProgress), (2, AckKind::InProgress)]);
-    p.keep_alive(later + Duration::from_secs(1), ack_wait);
+    p.keep_alive(later + Duration::from_secs(1));
     assert!(effects(&mut p).is_empty(), "kept alive just now");
 
     let mut q = partition(config(Discipline::Queue), 1);
     deliver_and_begin(&mut q, &[1, 2], now);
-    q.keep_alive(later, ack_wait);
+    q.keep_alive(later);
     assert_eq!(acks(&effects(&mut q)), vec![(1, AckKind::InProgress)], "only what runs; the queued one is not held");
+}
+
+#[test]
+fn an_idle_partition_has_no_deadline_and_a_busy_one_only_those_it_needs() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 2);
+    assert_eq!(p.poll_timeout(now), None, "an idle partition gets no ticks");
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    // Held and running: keep-alive (10 s) and the callback check (15 s).
+    assert_eq!(p.poll_timeout(now), Some(now + Duration::from_secs(10)));
+    let at = now + Duration::from_secs(10);
+    assert_eq!(p.handle_timeout(at), None);
+    assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::InProgress), (2, AckKind::InProgress)]);
+    assert_eq!(p.poll_timeout(at), Some(now + Duration::from_secs(15)), "the check comes next");
+    // One completes: a commit is due within the commit interval, not later.
+    p.process_done(orders[1]);
+    p.effects_stored(orders[1]);
+    p.process_done(orders[0]);
+    p.effects_stored(orders[0]);
+    assert!(p.readiness().commit_pending(), "idle: the commit is requested at once");
+    assert_eq!(p.next(at), Next::Commit);
+    let positions = p.readiness().committable().clone();
+    p.commit(positions);
+    effects(&mut p);
+    // Nothing held, nothing uncommitted: the deadlines left run out without a tick more.
+    let deadline = p.poll_timeout(at).expect("the check and keep-alive armed before");
+    p.handle_timeout(deadline);
+    let deadline = p.poll_timeout(deadline).expect("one more");
+    p.handle_timeout(deadline);
+    assert_eq!(p.poll_timeout(deadline), None, "idle again: no deadline");
+}
+
+#[test]
+fn completions_wait_at_most_the_commit_interval() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Ordered), 2);
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    p.process_done(orders[0]);
+    p.effects_stored(orders[0]);
+    assert!(!p.readiness().commit_pending(), "not idle, not a window: no commit yet");
+    assert_eq!(p.poll_timeout(now), Some(now + Duration::from_secs(1)), "the commit interval");
+    p.handle_timeout(now + Duration::from_secs(1));
+    assert!(p.readiness().commit_pending());
+}
+
+#[test]
+fn a_callback_past_its_timeout_is_reported() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 2);
+    let orders = deliver_and_begin(&mut p, &[1, 2], now);
+    assert_eq!(p.handle_timeout(now + Duration::from_secs(15)), None, "checked, none late");
+    p.poll_timeout(now + Duration::from_secs(15));
+    assert_eq!(p.handle_timeout(now + Duration::from_secs(60)), Some(orders[0]), "the first late one");
 }
 
 #[test]
