@@ -1,6 +1,7 @@
 //! `drain` and `drain --cancel`, and the pending drain `status` shows.
 
 use super::{ControlClient, ControlError, json};
+use crate::cluster::read_end;
 use flotilla_actors::cluster::now_ms;
 use flotilla_proto::cluster::control::{
     self as cluster, DrainedRecord, LeaseRecord, RequestRecord, RunRecord, TopologyRecord, decode, keys,
@@ -243,14 +244,8 @@ impl ControlClient {
     async fn done_parts(&self, parts: &[(String, u32)], run: &str) -> Result<BTreeSet<(String, u32)>, ControlError> {
         let mut done = BTreeSet::new();
         for (stream, p) in parts {
-            if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::drained(stream, *p)).await?
-                && decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| r.run_id == run)
-            {
-                done.insert((stream.clone(), *p));
-            } else if let Some(e) = self.broker.kv_get(&self.buckets.control, &keys::ended(stream, *p)).await?
-                && decode::<cluster::EndedRecord>("ended", &e.value).is_ok_and(|r| r.run_id == run)
-            {
-                // Ended in this run: no marker will be reached there.
+            // Ended in this run counts too: no marker will be reached there.
+            if read_end(&self.broker, &self.buckets.control, stream, *p, run).await?.done(true) {
                 done.insert((stream.clone(), *p));
             }
         }

@@ -2,9 +2,10 @@
 //! job, and its printing as tables.
 
 use super::{ControlClient, ControlError, PendingDrain};
+use crate::cluster::read_end;
 use flotilla_actors::cluster::now_ms;
 use flotilla_proto::cluster::control::{
-    ControlRequest, DrainedRecord, LeaseRecord, NodeStatus, ParkedRecord, PauseRecord, SlotStatus, decode, keys,
+    ControlRequest, LeaseRecord, NodeStatus, ParkedRecord, PauseRecord, SlotStatus, decode, keys,
 };
 use flotilla_transport::broker::BrokerError;
 use flotilla_transport::wire::{StreamName, Subjects};
@@ -128,12 +129,7 @@ impl ControlClient {
             None => None,
         };
         let drained = match (p, &run_id) {
-            (Some(p), Some(run)) => {
-                match self.broker.kv_get(&self.buckets.control, &keys::drained(&stream, p)).await? {
-                    Some(e) => decode::<DrainedRecord>("drained", &e.value).is_ok_and(|r| &r.run_id == run),
-                    None => false,
-                }
-            }
+            (Some(p), Some(run)) => read_end(&self.broker, &self.buckets.control, &stream, p, run).await?.drained,
             _ => false,
         };
         Ok(PartitionStatus {

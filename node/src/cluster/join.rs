@@ -10,9 +10,10 @@ use flotilla_actors::cluster::now_ms;
 use flotilla_actors::job::{NodeLink, patiently};
 use flotilla_actors::{Job, JobError, RunningJob};
 use flotilla_proto::cluster::control::{
-    self as cluster, ClusterConfig, DrainedRecord, EndedRecord, NodeRecord, PauseRecord, RequestRecord, RunRecord,
-    TopologyRecord, decode, encode, keys,
+    self as cluster, ClusterConfig, NodeRecord, PauseRecord, RequestRecord, RunRecord, TopologyRecord, decode, encode,
+    keys,
 };
+use flotilla_proto::cluster::run_end::run_over;
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 use flotilla_transport::topology;
 use flotilla_transport::wire::{JobName, MessageId, Subjects};
@@ -303,30 +304,18 @@ async fn run_drained(
     topology: &TopologyRecord,
     run: &str,
 ) -> Result<bool, JobError> {
-    let parts = topology.partitions();
-    if parts.is_empty() {
-        return Ok(false);
-    }
     // Drained partitions count only when a drain of the run was asked.
     let drain_asked = match broker.kv_get(&b.control, keys::DRAIN).await? {
         Some(d) => decode::<RequestRecord>(keys::DRAIN, &d.value).is_ok_and(|d| d.run_id == run),
         None => false,
     };
-    for (stream, p) in parts {
-        let key = keys::ended(&stream, p);
-        let ended = match broker.kv_get(&b.control, &key).await? {
-            Some(e) => decode::<EndedRecord>(&key, &e.value).is_ok_and(|r| r.run_id == run),
-            None => false,
-        };
-        let key = keys::drained(&stream, p);
-        let drained = drain_asked
-            && match broker.kv_get(&b.control, &key).await? {
-                Some(e) => decode::<DrainedRecord>(&key, &e.value).is_ok_and(|r| r.run_id == run),
-                None => false,
-            };
-        if !ended && !drained {
+    let mut ends = Vec::new();
+    for (stream, p) in topology.partitions() {
+        let end = super::read_end(broker, &b.control, &stream, p, run).await?;
+        if !end.done(drain_asked) {
             return Ok(false);
         }
+        ends.push(end);
     }
-    Ok(true)
+    Ok(run_over(ends, drain_asked))
 }

@@ -8,7 +8,9 @@
 mod host;
 mod join;
 pub mod membership;
+mod run_end;
 
 pub use flotilla_proto::cluster::control;
 pub use join::{JoinCluster, start_node};
 pub use membership::{Buckets, ControlMessage, Deregister, Leave, LeaveReason, Membership, MembershipSetup};
+pub use run_end::read_end;

@@ -46,6 +46,7 @@ use flotilla_proto::cluster::control::{
     self as cluster, ClusterConfig, ControlReply, DrainedRecord, LeaseRecord, ParkedRecord, PauseRecord, RequestRecord,
     encode, keys,
 };
+use flotilla_proto::cluster::run_end::PartitionEnd;
 use flotilla_transport::broker::{CoreMessage, KvEntry, SharedBroker};
 use flotilla_transport::wire::Subjects;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -219,6 +220,17 @@ impl Membership {
 
     fn partitions(&self) -> Vec<Part> {
         self.s.ordered.iter().flat_map(|(s, n)| (0..*n).map(move |p| (s.clone(), p))).collect()
+    }
+
+    /// What this node knows of `part`'s end in the current run: its records as the last
+    /// scan read them, and what this node recorded itself since.
+    fn end_of(&self, part: &Part) -> PartitionEnd {
+        PartitionEnd { drained: self.drained.contains(part), ended: self.ended.contains(part) }
+    }
+
+    /// Whether a drain of the current run is asked.
+    fn drain_asked(&self) -> bool {
+        self.drain.as_ref().is_some_and(|d| d.run_id == self.s.run_id)
     }
 
     fn lease_value(&self, epoch: u64) -> Bytes {

@@ -9,6 +9,7 @@ use flotilla_proto::cluster::assignment;
 use flotilla_proto::cluster::control::{
     DrainedRecord, EndedRecord, LeaseRecord, ParkedRecord, PauseRecord, RequestRecord, decode, keys,
 };
+use flotilla_proto::cluster::run_end::run_over;
 use flotilla_transport::broker::BrokerError;
 use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::Instant;
@@ -153,22 +154,16 @@ impl Membership {
             info!("stop requested for this node: leaving");
             self.leave(LeaveReason::StopRequested, ctx);
         }
-        if let Some(d) = &self.drain
-            && d.run_id == self.s.run_id
-            && self.leaving.is_none()
+        if self.leaving.is_none()
+            && self.drain_asked()
+            && run_over(self.partitions().iter().map(|p| self.end_of(p)), true)
         {
-            let all = self.partitions();
-            if !all.is_empty() && all.iter().all(|p| self.drained.contains(p) || self.ended.contains(p)) {
-                info!(run = %d.run_id, "every partition is drained (or ended): the run is over, leaving");
-                self.leave(LeaveReason::Drained, ctx);
-            }
+            info!(run = %self.s.run_id, "every partition is drained (or ended): the run is over, leaving");
+            self.leave(LeaveReason::Drained, ctx);
         }
-        if self.leaving.is_none() {
-            let all = self.partitions();
-            if !all.is_empty() && all.iter().all(|p| self.ended.contains(p)) {
-                info!(run = %self.s.run_id, "every partition reached its end of stream: the run is over, leaving");
-                self.leave(LeaveReason::Ended, ctx);
-            }
+        if self.leaving.is_none() && run_over(self.partitions().iter().map(|p| self.end_of(p)), false) {
+            info!(run = %self.s.run_id, "every partition reached its end of stream: the run is over, leaving");
+            self.leave(LeaveReason::Ended, ctx);
         }
         if self.leaving.is_some() || !self.registered {
             return;
@@ -216,10 +211,7 @@ impl Membership {
                     self.acquire(part, Some(entry.revision), "takeover", ctx);
                     continue;
                 }
-                if leased
-                    || self.drained.contains(&part) && self.drain.as_ref().is_some_and(|d| d.run_id == self.s.run_id)
-                    || self.ended.contains(&part)
-                {
+                if leased || self.end_of(&part).done(self.drain_asked()) {
                     self.unleased_since.remove(&part);
                     continue;
                 }
