@@ -281,15 +281,14 @@ async fn a_drain_that_never_ends_names_the_stuck_partition_and_loses_nothing_aft
     assert!(c.log_text(&holder).contains("drain timeout: handing back in-flight messages"), "{}", c.all_logs());
     let n = feed.stop().await;
     watcher.abort();
-    // The hang fixed: the old run finishes draining (the nodes exit 0), then a new run
-    // takes what followed the markers.
+    // The hang fixed: the old run finishes draining (the node exits 0), then a new run
+    // takes what followed the markers. One node finishes the old run: a second one
+    // started beside it may join only after the first drained everything, find the old
+    // run over and begin a new one, which no drain ends (seen once in CI).
     let fixed = Launch { args: vec!["--max-sleep".into(), "10ms".into()], ..Launch::default() };
-    c.add_with("a", fixed.clone());
-    c.add_with("b", fixed);
-    for id in ["a", "b"] {
-        let status = c.wait_exit_async(id, Duration::from_secs(40)).await;
-        assert!(status.success(), "{id} exits 0 once the old run is drained: {status}{}", c.all_logs());
-    }
+    c.add_with("a", fixed);
+    let status = c.wait_exit_async("a", Duration::from_secs(40)).await;
+    assert!(status.success(), "a exits 0 once the old run is drained: {status}{}", c.all_logs());
     c.add("a");
     c.add("b");
     c.wait_all_out(n, Duration::from_secs(40)).await;
