@@ -582,11 +582,16 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
             Tick::Deadline => {
-                // Whichever tick this is, the next turn arms one for what is left.
-                self.tick_at = None;
+                let now = Instant::now().into_std();
+                // The tick armed for `tick_at` came: the turn arms the next. An earlier
+                // tick armed for a later deadline (one came due sooner since) leaves
+                // `tick_at` alone, so it never arms a second tick for the same deadline.
+                if self.tick_at.is_some_and(|at| at <= now) {
+                    self.tick_at = None;
+                }
                 // A fenced worker keeps nothing alive: the turn below stops it.
                 if !self.binding.fenced()
-                    && let Some(order) = self.part.handle_timeout(Instant::now().into_std())
+                    && let Some(order) = self.part.handle_timeout(now)
                 {
                     self.suspect_ended_owner(order);
                     let seq = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq);

@@ -585,16 +585,18 @@ impl<M: Delivered> Partition<M> {
         Some(h)
     }
 
-    /// Done with a message without acknowledging it here (nak'd, terminated, parked).
+    /// Done with a held message without acknowledging it here (nak'd, terminated,
+    /// parked). `None`, and nothing changes, when it is not held (any more: a stop or a
+    /// failure handed it back meanwhile).
     pub fn forget(&mut self, order: u64) -> Option<Held<M>> {
-        let h = self.held.remove(&order);
-        if h.as_ref().is_some_and(|h| h.counted) {
+        let h = self.held.remove(&order)?;
+        if h.counted {
             self.state.process_done(order);
         }
         self.claims.remove(&order);
         self.state.effects_done(order);
         self.credit += 1;
-        h
+        Some(h)
     }
 
     /// Requests a commit when one is due: a whole window completed, or the partition

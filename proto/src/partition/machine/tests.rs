@@ -419,3 +419,15 @@ fn a_queue_marker_is_claimed_and_acked_by_the_commit() {
     assert_eq!(acks(&out), vec![(9, AckKind::Ack)]);
     assert_eq!(credit(&out), 1);
 }
+
+#[test]
+fn forgetting_what_is_no_longer_held_changes_nothing() {
+    let now = Instant::now();
+    let mut p = partition(config(Discipline::Queue), 2);
+    let orders = deliver_and_begin(&mut p, &[1], now);
+    p.release_all(true);
+    effects(&mut p);
+    // A park that finished after a stop's deadline handed the message back.
+    assert!(p.forget(orders[0]).is_none());
+    assert!(effects(&mut p).is_empty(), "no second credit for a message handed back already");
+}
