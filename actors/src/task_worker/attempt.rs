@@ -70,9 +70,9 @@ impl<T: Task> TaskWorker<T> {
         held.msg.trace = if span.is_disabled() {
             None
         } else {
-            crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT))
+            crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT)).map(Box::new)
         };
-        let trace = held.msg.trace;
+        let trace = held.msg.trace.as_deref().copied();
         let attempt = held.attempt;
         let d = &held.msg.delivery;
         let meta = MessageMeta {

@@ -112,23 +112,23 @@ impl<T: Task> TaskWorker<T> {
     /// The message is processed and its outputs are stored: the partition's rules ack
     /// it (queue) or let it be committed (ordered).
     pub(super) fn effects_stored(&mut self, order: u64) {
-        let Some(held) = self.part.effects_stored(order) else { return };
+        let Some(finished) = self.part.effects_stored(order) else { return };
         if !self.binding.ordered() {
             // Its ack is queued and leaves at the end of the turn.
             crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
         }
-        self.after_stored(order, &held);
+        self.after_stored(order, finished);
     }
 
     /// What the worker kept for a finished message: its store journal, its suspect
     /// record.
-    pub(super) fn after_stored(&mut self, order: u64, held: &Held<Msg>) {
-        if held.applied()
+    pub(super) fn after_stored(&mut self, order: u64, finished: Finished) {
+        if finished.applied
             && let Some(d) = &self.durable
         {
             d.stores.borrow_mut().release(order);
         }
-        self.suspect_finished(held.msg.delivery.info.stream_seq);
+        self.suspect_finished(finished.seq);
     }
 
     /// Acknowledges everything up to `positions` (the state machine's committable

@@ -39,13 +39,13 @@ impl<T: Task> TaskWorker<T> {
             reason,
             detail: detail.clone(),
             attempts: Some(attempts),
-            trace: held.msg.trace,
+            trace: held.msg.trace.as_deref().copied(),
         };
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
                 Ok(Ok(())) => {
-                    if let Some(held) = act.part.dead_lettered(order) {
-                        act.after_stored(order, &held);
+                    if let Some(finished) = act.part.dead_lettered(order) {
+                        act.after_stored(order, finished);
                     }
                 }
                 Ok(Err(e)) => {

@@ -73,7 +73,7 @@ use crate::trace::TraceContext;
 use actix::prelude::*;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
-use flotilla_proto::partition::machine::{self, Delivered, Effect, Held, Next, Partition};
+use flotilla_proto::partition::machine::{self, Delivered, Effect, Finished, Held, Next, Partition};
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
@@ -161,10 +161,11 @@ impl Binding {
 }
 
 /// A delivery as the worker keeps it in its [`Partition`]: with the trace context of
-/// its current attempt (see [`crate::trace`]).
+/// its current attempt (see [`crate::trace`]), boxed: it is there only while traces are
+/// collected, and every message moves through the machine a few times.
 pub(crate) struct Msg {
     delivery: Delivery,
-    trace: Option<TraceContext>,
+    trace: Option<Box<TraceContext>>,
 }
 
 impl Delivered for Msg {
@@ -431,7 +432,8 @@ impl<T: Task> TaskWorker<T> {
     fn perform(&mut self, ctx: &mut Context<Self>) {
         while let Some(effect) = self.part.poll_effect() {
             match effect {
-                Effect::Ack(token, kind) => self.acks.push((token, kind)),
+                Effect::Acks(batch) if self.acks.is_empty() => self.acks = batch,
+                Effect::Acks(batch) => self.acks.extend(batch),
                 Effect::Credit(count) => self.completed += count,
                 Effect::DeadLetter { order, reason, detail, attempts } => {
                     self.send_dead_letter(order, reason, detail, attempts, ctx);

@@ -105,6 +105,23 @@ impl<M> Held<M> {
     }
 }
 
+/// A message that finished ([`Partition::effects_stored`], [`Partition::dead_lettered`]):
+/// what the worker needs to release what it kept for it (small, so that the hot path
+/// does not move the delivery around again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// Its stream sequence.
+    pub seq: u64,
+    /// Its store changes were applied (and are now part of what the next commit writes).
+    pub applied: bool,
+}
+
+impl Finished {
+    fn of<M: Delivered>(h: &Held<M>) -> Self {
+        Self { seq: h.msg.stream_seq(), applied: h.applied }
+    }
+}
+
 /// A claimed message's acknowledgement handle, kept until it is committed.
 #[derive(Debug)]
 struct Claim<T> {
@@ -117,8 +134,9 @@ struct Claim<T> {
 /// What the worker must do.
 #[derive(Debug)]
 pub enum Effect<M: Delivered> {
-    /// Send this acknowledgement (with the others of the turn).
-    Ack(M::Token, AckKind),
+    /// Send these acknowledgements: all those decided since the last poll, in one batch
+    /// (one broker operation per turn, not one per message).
+    Acks(Vec<(M::Token, AckKind)>),
     /// Store the message at `order` in the dead-letter stream, then report
     /// [`Partition::dead_lettered`] (or [`Partition::dead_letter_refused`]).
     DeadLetter {
@@ -135,8 +153,9 @@ pub enum Effect<M: Delivered> {
     /// is not its fault (a queue message's release is counted first, so it costs no
     /// attempt).
     HandBack {
-        /// The delivery.
-        msg: M,
+        /// The delivery (boxed: hand-backs are rare, and an effect is as large as its
+        /// largest kind, which every acknowledgement would copy).
+        msg: Box<M>,
         /// Not its fault.
         interrupted: bool,
     },
@@ -194,6 +213,8 @@ pub struct Partition<M: Delivered> {
     /// A stop handed back a message waiting out a retry back-off: the first such order.
     handed_back_mid_retry: Option<u64>,
     effects: VecDeque<Effect<M>>,
+    /// Acknowledgements decided since the last poll.
+    acks: Vec<(M::Token, AckKind)>,
     credit: usize,
 }
 
@@ -215,6 +236,7 @@ impl<M: Delivered> Partition<M> {
             applied_through: 0,
             handed_back_mid_retry: None,
             effects: VecDeque::new(),
+            acks: Vec::new(),
             credit: 0,
         }
     }
@@ -224,10 +246,16 @@ impl<M: Delivered> Partition<M> {
         self.config.durable = durable;
     }
 
-    /// The next effect to perform; the credit of the effects so far comes last, as one.
+    /// The next effect to perform: dead letters and hand-backs in the order decided,
+    /// then the acknowledgements decided so far as one batch, then their credit as one
+    /// number. (A message is acknowledged, handed back or dead-lettered, never two of
+    /// these at once, so their order between kinds does not matter.)
     pub fn poll_effect(&mut self) -> Option<Effect<M>> {
         if let Some(effect) = self.effects.pop_front() {
             return Some(effect);
+        }
+        if !self.acks.is_empty() {
+            return Some(Effect::Acks(std::mem::take(&mut self.acks)));
         }
         (self.credit > 0).then(|| Effect::Credit(std::mem::take(&mut self.credit)))
     }
@@ -505,7 +533,7 @@ impl<M: Delivered> Partition<M> {
             }
             AfterFailure::Nak(delay) => {
                 let token = self.held.get(&order)?.msg.token().clone();
-                self.effects.push_back(Effect::Ack(token, AckKind::Nak(Some(delay))));
+                self.acks.push((token, AckKind::Nak(Some(delay))));
                 self.forget(order);
             }
         }
@@ -543,9 +571,9 @@ impl<M: Delivered> Partition<M> {
         self.effects.push_back(Effect::DeadLetter { order, reason, detail, attempts });
     }
 
-    /// Its dead letter is stored: an ordered message completes in place (returned, for
-    /// the worker to release what it kept), a queue one is terminated.
-    pub fn dead_lettered(&mut self, order: u64) -> Option<Held<M>> {
+    /// Its dead letter is stored: an ordered message completes in place, a queue one is
+    /// terminated. What finished, for the worker to release what it kept for it.
+    pub fn dead_lettered(&mut self, order: u64) -> Option<Finished> {
         match self.config.discipline.after_dead_letter() {
             None => {
                 self.process_done(order);
@@ -553,8 +581,8 @@ impl<M: Delivered> Partition<M> {
             }
             Some(kind) => {
                 let token = self.held.get(&order)?.msg.token().clone();
-                self.effects.push_back(Effect::Ack(token, kind));
-                self.forget(order)
+                self.acks.push((token, kind));
+                self.forget(order).map(|h| Finished::of(&h))
             }
         }
     }
@@ -570,19 +598,19 @@ impl<M: Delivered> Partition<M> {
 
     /// The message is processed and its outputs are stored: a queue message is acked,
     /// an ordered one becomes committable (and a commit is requested when one is due).
-    /// Returns it, for the worker to release what it kept for it.
-    pub fn effects_stored(&mut self, order: u64) -> Option<Held<M>> {
+    /// What finished, for the worker to release what it kept for it.
+    pub fn effects_stored(&mut self, order: u64) -> Option<Finished> {
         let h = self.held.remove(&order)?;
         if self.ordered() {
             self.state.effects_done(order);
             self.request_commit_if_due();
         } else {
             self.claims.remove(&order);
-            self.effects.push_back(Effect::Ack(h.msg.token().clone(), AckKind::Ack));
+            self.acks.push((h.msg.token().clone(), AckKind::Ack));
             self.state.effects_done(order);
             self.credit += 1;
         }
-        Some(h)
+        Some(Finished::of(&h))
     }
 
     /// Done with a held message without acknowledging it here (nak'd, terminated,
@@ -628,13 +656,13 @@ impl<M: Delivered> Partition<M> {
             let done = std::mem::replace(&mut self.claims, rest);
             if self.ordered() {
                 if let Some((_, last)) = done.iter().next_back() {
-                    self.effects.push_back(Effect::Ack(last.token.clone(), AckKind::Ack));
+                    self.acks.push((last.token.clone(), AckKind::Ack));
                     self.intake.committed_to(last.seq);
                     self.last_commit = Some(last.token.clone());
                 }
             } else {
                 for c in done.values() {
-                    self.effects.push_back(Effect::Ack(c.token.clone(), AckKind::Ack));
+                    self.acks.push((c.token.clone(), AckKind::Ack));
                 }
             }
             covered = done.len();
@@ -656,7 +684,7 @@ impl<M: Delivered> Partition<M> {
     pub fn hand_back_unstarted(&mut self) {
         for p in self.state.take_unstarted() {
             self.claims.remove(&p.order);
-            self.effects.push_back(Effect::HandBack { msg: p.msg, interrupted: true });
+            self.effects.push_back(Effect::HandBack { msg: Box::new(p.msg), interrupted: true });
             self.credit += 1;
         }
     }
@@ -677,7 +705,7 @@ impl<M: Delivered> Partition<M> {
             if h.counted {
                 self.state.release(order);
             }
-            self.effects.push_back(Effect::HandBack { msg: h.msg, interrupted: true });
+            self.effects.push_back(Effect::HandBack { msg: Box::new(h.msg), interrupted: true });
         }
         waiting.len()
     }
@@ -695,12 +723,12 @@ impl<M: Delivered> Partition<M> {
     /// among them.
     pub fn release_all(&mut self, interrupted: bool) {
         for p in self.state.take_unstarted() {
-            self.effects.push_back(Effect::HandBack { msg: p.msg, interrupted });
+            self.effects.push_back(Effect::HandBack { msg: Box::new(p.msg), interrupted });
         }
         let mut held: Vec<(u64, Held<M>)> = self.held.drain().collect();
         held.sort_unstable_by_key(|(order, _)| *order);
         for (_, h) in held {
-            self.effects.push_back(Effect::HandBack { msg: h.msg, interrupted });
+            self.effects.push_back(Effect::HandBack { msg: Box::new(h.msg), interrupted });
         }
         self.claims.clear();
     }

@@ -86,11 +86,17 @@ struct Seen {
 fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool) {
     while let Some(effect) = p.poll_effect() {
         match effect {
-            Effect::Ack(seq, AckKind::Ack) if ordered => seen.commits.push(seq),
-            Effect::Ack(seq, AckKind::Ack) => seen.ended.entry(seq).or_default().push("ack"),
-            Effect::Ack(seq, AckKind::Nak(_)) => seen.ended.entry(seq).or_default().push("nak"),
-            Effect::Ack(seq, AckKind::Term) => seen.ended.entry(seq).or_default().push("term"),
-            Effect::Ack(_, AckKind::InProgress) => {}
+            Effect::Acks(batch) => {
+                for (seq, kind) in batch {
+                    match kind {
+                        AckKind::Ack if ordered => seen.commits.push(seq),
+                        AckKind::Ack => seen.ended.entry(seq).or_default().push("ack"),
+                        AckKind::Nak(_) => seen.ended.entry(seq).or_default().push("nak"),
+                        AckKind::Term => seen.ended.entry(seq).or_default().push("term"),
+                        AckKind::InProgress => {}
+                    }
+                }
+            }
             Effect::DeadLetter { order, .. } => {
                 // The dead letter is stored at once.
                 p.dead_lettered(order);

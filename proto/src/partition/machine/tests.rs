@@ -48,9 +48,9 @@ fn effects(p: &mut Partition<Msg>) -> Vec<Effect<Msg>> {
 fn acks(effects: &[Effect<Msg>]) -> Vec<(u64, AckKind)> {
     effects
         .iter()
-        .filter_map(|e| match e {
-            Effect::Ack(t, k) => Some((*t, *k)),
-            _ => None,
+        .flat_map(|e| match e {
+            Effect::Acks(batch) => batch.clone(),
+            _ => Vec::new(),
         })
         .collect()
 }

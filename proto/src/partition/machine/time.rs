@@ -1,7 +1,7 @@
 //! The partition machine's clocks: its deadlines, armed only while needed, and what
 //! happens when one comes.
 
-use super::{AckKind, Delivered, Effect, Partition, progress_due};
+use super::{AckKind, Delivered, Partition, progress_due};
 use std::time::{Duration, Instant};
 
 /// How long things may wait.
@@ -92,13 +92,13 @@ impl<M: Delivered> Partition<M> {
             for c in self.claims.values_mut() {
                 if progress_due(c.at, now, ack_wait) {
                     c.at = now;
-                    self.effects.push_back(Effect::Ack(c.token.clone(), AckKind::InProgress));
+                    self.acks.push((c.token.clone(), AckKind::InProgress));
                 }
             }
         } else {
             for h in self.held.values() {
                 if h.started.is_some_and(|s| progress_due(s, now, ack_wait)) {
-                    self.effects.push_back(Effect::Ack(h.msg.token().clone(), AckKind::InProgress));
+                    self.acks.push((h.msg.token().clone(), AckKind::InProgress));
                 }
             }
         }
