@@ -311,11 +311,7 @@ async fn run_drained(
     };
     let mut ends = Vec::new();
     for (stream, p) in topology.partitions() {
-        let end = super::read_end(broker, &b.control, &stream, p, run).await?;
-        if !end.done(drain_asked) {
-            return Ok(false);
-        }
-        ends.push(end);
+        ends.push(super::read_end(broker, &b.control, &stream, p, run).await?);
     }
     Ok(run_over(ends, drain_asked))
 }
