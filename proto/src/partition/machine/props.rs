@@ -15,23 +15,7 @@
 use super::*;
 use proptest::prelude::*;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Msg {
-    seq: u64,
-}
-
-impl Delivered for Msg {
-    type Token = u64;
-    fn stream_seq(&self) -> u64 {
-        self.seq
-    }
-    fn delivered(&self) -> u64 {
-        1
-    }
-    fn token(&self) -> &u64 {
-        &self.seq
-    }
-}
+use super::tests::Msg;
 
 #[derive(Debug, Clone, Copy)]
 enum Outcome {
@@ -137,7 +121,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         match step {
             Step::Arrive if !stopped => {
                 arrived += 1;
-                p.arrive(EnvelopeKind::Data, Msg { seq: arrived }, now);
+                p.arrive(EnvelopeKind::Data, Msg { seq: arrived, delivered: 1 }, now);
             }
             Step::Arrive => {}
             Step::Run(outcomes) => {

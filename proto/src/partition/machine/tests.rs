@@ -1,10 +1,11 @@
 use super::*;
 use crate::partition::readiness::TaskState;
 
+/// A delivery as the machine's tests (and properties) hold it: its token is its sequence.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Msg {
-    seq: u64,
-    delivered: u64,
+pub(super) struct Msg {
+    pub(super) seq: u64,
+    pub(super) delivered: u64,
 }
 
 impl Delivered for Msg {
@@ -52,6 +53,16 @@ fn acks(effects: &[Effect<Msg>]) -> Vec<(u64, AckKind)> {
             Effect::Acks(batch) => batch.clone(),
             _ => Vec::new(),
         })
+        .collect()
+}
+
+/// Hand-backs among `effects`, as (sequence, interrupted).
+fn hand_backs(effects: &[Effect<Msg>]) -> Vec<(u64, bool)> {
+    effects
+        .iter()
+        .filter_map(
+            |e| if let Effect::HandBack { msg, interrupted } = e { Some((msg.seq, *interrupted)) } else { None },
+        )
         .collect()
 }
 
@@ -305,9 +316,7 @@ fn unstarted_messages_are_handed_back_and_credited_and_their_claims_dropped() {
     assert_eq!(orders.len(), 1);
     p.hand_back_unstarted();
     let out = effects(&mut p);
-    let back: Vec<u64> =
-        out.iter().filter_map(|e| if let Effect::HandBack { msg, .. } = e { Some(msg.seq) } else { None }).collect();
-    assert_eq!(back, vec![2, 3]);
+    assert_eq!(hand_backs(&out), vec![(2, true), (3, true)]);
     assert_eq!(credit(&out), 2);
     p.process_done(orders[0]);
     p.effects_stored(orders[0]);
@@ -322,11 +331,11 @@ fn release_all_hands_back_everything_in_order_and_abandon_nothing() {
     let mut p = partition(config(Discipline::Queue), 2);
     deliver_and_begin(&mut p, &[1, 2, 3], now);
     p.release_all(false);
-    let back: Vec<(u64, bool)> = effects(&mut p)
-        .into_iter()
-        .filter_map(|e| if let Effect::HandBack { msg, interrupted } = e { Some((msg.seq, interrupted)) } else { None })
-        .collect();
-    assert_eq!(back, vec![(3, false), (1, false), (2, false)], "the unstarted first, then what ran, in order");
+    assert_eq!(
+        hand_backs(&effects(&mut p)),
+        vec![(3, false), (1, false), (2, false)],
+        "the unstarted first, then what ran, in order"
+    );
     let mut q = partition(config(Discipline::Queue), 2);
     deliver_and_begin(&mut q, &[1, 2, 3], now);
     q.abandon();
