@@ -427,8 +427,8 @@ impl<T: Task> TaskWorker<T> {
     }
 
     /// Performs what the partition's rules decided: acknowledgements and credit are
-    /// queued for the end of the turn, retries armed, dead letters sent, hand-backs
-    /// given.
+    /// queued for the end of the turn, dead letters sent, hand-backs given. (Retries are
+    /// the machine's deadlines: `arm_ticks` serves them.)
     fn perform(&mut self, ctx: &mut Context<Self>) {
         while let Some(effect) = self.part.poll_effect() {
             match effect {
