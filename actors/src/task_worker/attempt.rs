@@ -6,7 +6,8 @@ use super::*;
 impl<T: Task> TaskWorker<T> {
     /// Starts (or retries) processing of the message at `order`.
     pub(super) fn start_attempt(&mut self, order: u64, ctx: &mut Context<Self>) {
-        if !self.part.start(order, Instant::now().into_std()) {
+        let at = now();
+        if !self.part.handle(ev::Started(order), at) {
             return;
         }
         let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
@@ -48,33 +49,34 @@ impl<T: Task> TaskWorker<T> {
         let input = match decoded {
             Ok(input) => input,
             Err((reason, detail)) => {
-                self.part.dead_letter(order, reason, detail);
+                self.part.handle(ev::Poison { order, reason, detail }, now());
                 return;
             }
         };
-        self.part.running(order);
-        let Some(held) = self.part.held_mut(order) else { return };
-        let d = &held.msg.delivery;
+        self.part.handle(ev::Running(order), at);
+        let Some(held) = self.part.held(order) else { return };
+        let attempt = held.attempt;
+        let Some(msg) = self.part.msg_mut(order) else { return };
+        let d = &msg.delivery;
         let span = tracing::debug_span!(
             "process",
             stream = self.binding.stream,
             partition = self.binding.partition,
             seq = d.info.stream_seq,
-            attempt = held.attempt,
+            attempt,
             trace_id = tracing::field::Empty,
             span_id = tracing::field::Empty,
             parent_id = tracing::field::Empty,
         );
         // Nothing collects the span (the default): no ids, and the context passes the
         // input's traceparent on as it is, without this lookup.
-        held.msg.trace = if span.is_disabled() {
+        msg.trace = if span.is_disabled() {
             None
         } else {
             crate::trace::message_context(&span, d.headers.get(headers::TRACEPARENT)).map(Box::new)
         };
-        let trace = held.msg.trace.as_deref().copied();
-        let attempt = held.attempt;
-        let d = &held.msg.delivery;
+        let trace = msg.trace.as_deref().copied();
+        let d = &msg.delivery;
         let meta = MessageMeta {
             // A message that was parked keeps the id it had.
             id: match d.headers.get_text(headers::ORIGIN_ID).or_else(|| d.headers.get_text(headers::MSG_ID)) {
@@ -125,8 +127,9 @@ impl<T: Task> TaskWorker<T> {
     /// The handler of the message at `order` returned.
     pub(super) fn processed(&mut self, order: u64, (task, mut tctx, result): Processed<T>, ctx: &mut Context<Self>) {
         self.task = Some(task);
+        let now = now();
         if let Some(started) = self.part.held(order).and_then(|h| h.started) {
-            let took = Instant::now().into_std().saturating_duration_since(started);
+            let took = now.saturating_duration_since(started);
             self.metrics.process.record(took.as_secs_f64());
             self.metrics.busy(took);
         }
@@ -141,13 +144,13 @@ impl<T: Task> TaskWorker<T> {
             _ => self.end_callback(ok),
         }
         if ok {
-            self.part.returned_ok(order);
+            self.part.handle(ev::ReturnedOk(order), now);
         }
         match result {
             Ok(Ok(())) => {
                 let deferred = tctx.deferred.take();
                 let outputs = tctx.into_outputs();
-                self.after_process(order, deferred, outputs, ctx);
+                self.after_process(order, deferred, outputs, now, ctx);
             }
             Ok(Err(error)) => self.callback_failed(order, Ok(error), ctx),
             Err(panic) => self.callback_failed(order, Err(panic), ctx),
@@ -165,7 +168,9 @@ impl<T: Task> TaskWorker<T> {
                 self.fail(format!("process: {reason}"), ctx)
             }
             Ok(TaskError::Unavailable(reason)) => self.retry_unavailable(order, reason),
-            Ok(TaskError::Permanent { reason, detail }) => self.part.dead_letter(order, reason, detail),
+            Ok(TaskError::Permanent { reason, detail }) => {
+                self.part.handle(ev::Poison { order, reason, detail }, now());
+            }
             Err(panic) => self.failed_attempt(order, format!("handler panicked: {}", panic_text(&panic))),
         }
     }
@@ -174,7 +179,8 @@ impl<T: Task> TaskWorker<T> {
     /// without counting an attempt (up to the ceiling, past which it is a failed attempt).
     pub(super) fn retry_unavailable(&mut self, order: u64, reason: String) {
         let Some(seq) = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq) else { return };
-        match self.part.unavailable(order, &reason, Instant::now().into_std(), crate::retry::sample()) {
+        let unavailable = ev::Unavailable { order, reason: &reason, sample: crate::retry::sample() };
+        match self.part.handle(unavailable, now()) {
             Some(delay) => {
                 warn!(stream = self.binding.stream, partition = self.binding.partition, seq, ?delay, %reason, "unavailable; retrying without counting an attempt");
             }
@@ -187,12 +193,13 @@ impl<T: Task> TaskWorker<T> {
         order: u64,
         deferred: Option<LocalBoxFuture<'static, Result<(), TaskError>>>,
         outputs: Outputs,
+        now: std::time::Instant,
         ctx: &mut Context<Self>,
     ) {
         match deferred {
             None => {
-                self.part.process_done(order);
-                self.await_effects(order, outputs, ctx);
+                self.part.handle(ev::CallbacksDone(order), now);
+                self.await_effects(order, outputs, now, ctx);
             }
             Some(fut) => {
                 let fut = Supervised::new(fut);
@@ -214,8 +221,9 @@ impl<T: Task> TaskWorker<T> {
                     }
                     match result {
                         Ok(Ok(())) => {
-                            act.part.process_done(order);
-                            act.await_effects(order, outputs, ctx);
+                            let now = super::now();
+                            act.part.handle(ev::CallbacksDone(order), now);
+                            act.await_effects(order, outputs, now, ctx);
                         }
                         Ok(Err(error)) => act.callback_failed(order, Ok(error), ctx),
                         Err(panic) => act.callback_failed(order, Err(panic), ctx),
@@ -227,11 +235,17 @@ impl<T: Task> TaskWorker<T> {
     }
 
     /// Publishes the message's outputs; it finishes once they are stored.
-    pub(super) fn await_effects(&mut self, order: u64, outputs: Outputs, ctx: &mut Context<Self>) {
+    pub(super) fn await_effects(
+        &mut self,
+        order: u64,
+        outputs: Outputs,
+        now: std::time::Instant,
+        ctx: &mut Context<Self>,
+    ) {
         let msgs = outputs.take_buffer();
         if msgs.is_empty() {
             // Nothing to publish (most messages of most tasks): no batch to build.
-            self.flushed(FlushTarget::Message(order), ctx);
+            self.flushed(FlushTarget::Message(order), now, ctx);
             return;
         }
         self.flush(Flush { target: FlushTarget::Message(order), msgs: msgs.into(), attempt: 0 }, ctx);

@@ -51,7 +51,7 @@ impl<T: Task> TaskWorker<T> {
             if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
                 // Restoring: nothing runs before the state is back.
                 if self.stopping {
-                    self.part.release_all(true);
+                    self.part.handle(ev::ReleaseAll { interrupted: true }, now());
                     self.finish(self.stopped_outcome(), ctx);
                 }
                 return;
@@ -146,12 +146,12 @@ impl<T: Task> TaskWorker<T> {
         ctx.spawn(stored.into_actor(self).map(move |result, act, ctx| {
             match result {
                 Ok(()) => {
-                    act.part.forget(order);
+                    act.part.handle(ev::Forgotten(order), now());
                     // Parked after an unpark's last sweep, nobody would send it back.
                     actix::spawn(recheck);
                 }
                 Err(e) => {
-                    if let Some(held) = act.part.forget(order) {
+                    if let Some(held) = act.part.handle(ev::Forgotten(order), now()) {
                         // Not at once: it would come straight back and be refused again,
                         // spending its deliveries in a second.
                         let delivery = held.msg.delivery;
@@ -187,26 +187,26 @@ impl<T: Task> TaskWorker<T> {
             let attempt = if known { released::attempt(delivered, released) } else { released::attempt(delivered, 0).min(max) };
             if act.stopping {
                 // A stop came while the count was read: hand it back unstarted.
-                if let Some(held) = act.part.forget(order) {
+                if let Some(held) = act.part.handle(ev::Forgotten(order), now()) {
                     act.hand_back(&held.msg.delivery, true);
                 }
                 act.drive(ctx);
                 return;
             }
-            if !act.part.set_attempt(order, attempt) {
+            if !act.part.handle(ev::AttemptCounted { order, attempt }, now()) {
                 return;
             }
             if attempt > max {
-                act.part.dead_letter(
+                act.part.handle(ev::Poison {
                     order,
-                    "max-attempts",
-                    format!(
+                    reason: "max-attempts",
+                    detail: format!(
                         "delivered {delivered} times, {released} of them handed back unfinished (not counted): its {} attempts ended without a verdict, as when the node running it dies or hangs",
                         attempt - 1
                     ),
-                );
+                }, now());
             } else {
-                act.part.retry_due(order);
+                act.part.handle(ev::Ready(order), now());
             }
             act.drive(ctx);
         }));

@@ -9,7 +9,7 @@ impl<T: Task> TaskWorker<T> {
     /// acks are awaited concurrently (publishes pipeline across messages).
     pub(super) fn flush(&mut self, flush: Flush, ctx: &mut Context<Self>) {
         if flush.msgs.is_empty() {
-            self.flushed(flush.target, ctx);
+            self.flushed(flush.target, now(), ctx);
             return;
         }
         self.flushes_in_flight += 1;
@@ -27,7 +27,7 @@ impl<T: Task> TaskWorker<T> {
         }
         let Some(flush) = self.publish_queue.pop_front() else { return };
         self.publishing = true;
-        let sent = Instant::now();
+        let sent = now();
         let queued = self.env.broker.publish_pipelined_batch(flush.msgs.clone());
         ctx.spawn(queued.into_actor(self).map(move |queued, act, ctx| {
             act.publishing = false;
@@ -37,10 +37,11 @@ impl<T: Task> TaskWorker<T> {
                     ctx.spawn(stored.into_actor(act).map(move |stored, act, ctx| {
                         match stored {
                             Ok(()) => {
-                                act.metrics.publish.record(sent.elapsed().as_secs_f64());
+                                let now = now();
+                                act.metrics.publish.record(now.saturating_duration_since(sent).as_secs_f64());
                                 act.metrics.published.increment(flush.msgs.len() as u64);
                                 act.flushes_in_flight = act.flushes_in_flight.saturating_sub(1);
-                                act.flushed(flush.target, ctx)
+                                act.flushed(flush.target, now, ctx)
                             }
                             Err(err) => act.flush_failed(flush, err, ctx),
                         }
@@ -92,27 +93,28 @@ impl<T: Task> TaskWorker<T> {
                 // Publishing the same outputs again can never work.
                 let ErrorClass::Permanent(reason) = class else { return };
                 debug!(stream = self.binding.stream, partition = self.binding.partition, error = %err, reason, "outputs can never be stored: dead-lettering the message");
-                self.part.dead_letter(order, reason, format!("output not stored: {err}"));
+                let detail = format!("output not stored: {err}");
+                self.part.handle(ev::Poison { order, reason, detail }, now());
             }
             FlushTarget::Message(order) => {
-                self.part.recount(order, Instant::now().into_std());
+                self.part.handle(ev::OutputsRefused(order), now());
                 self.failed_attempt(order, format!("output not stored: {err}"));
             }
             FlushTarget::Hook(kind) => self.fail(format!("{}: output not stored: {err}", kind.label()), ctx),
         }
     }
 
-    pub(super) fn flushed(&mut self, target: FlushTarget, ctx: &mut Context<Self>) {
+    pub(super) fn flushed(&mut self, target: FlushTarget, now: std::time::Instant, ctx: &mut Context<Self>) {
         match target {
-            FlushTarget::Message(order) => self.effects_stored(order),
+            FlushTarget::Message(order) => self.effects_stored(order, now),
             FlushTarget::Hook(kind) => self.hook_done(kind, ctx),
         }
     }
 
     /// The message is processed and its outputs are stored: the partition's rules ack
     /// it (queue) or let it be committed (ordered).
-    pub(super) fn effects_stored(&mut self, order: u64) {
-        let Some(finished) = self.part.effects_stored(order) else { return };
+    pub(super) fn effects_stored(&mut self, order: u64, now: std::time::Instant) {
+        let Some(finished) = self.part.handle(ev::EffectsStored(order), now) else { return };
         if !self.binding.ordered() {
             // Its ack is queued and leaves at the end of the turn.
             crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
@@ -138,7 +140,7 @@ impl<T: Task> TaskWorker<T> {
             // Another node may own the partition now: acking here could skip its work.
             return;
         }
-        if self.part.commit(positions) > 0 && self.binding.ordered() {
+        if self.part.handle(ev::Committed(positions), now()) > 0 && self.binding.ordered() {
             // Its ack-all is queued and leaves at the end of the turn.
             crate::failpoint::hit(crate::failpoint::Point::EffectsStoredBeforeAck);
         }

@@ -10,7 +10,8 @@ impl<T: Task> TaskWorker<T> {
         let (seq, attempt) = (h.msg.delivery.info.stream_seq, h.attempt);
         self.metrics.failed_attempts.increment(1);
         let (stream, partition) = (self.binding.stream, self.binding.partition);
-        match self.part.failed(order, &reason, Instant::now().into_std(), crate::retry::sample()) {
+        let failed = ev::Failed { order, reason: &reason, sample: crate::retry::sample() };
+        match self.part.handle(failed, now()) {
             Some(AfterFailure::DeadLetter) => {
                 debug!(stream, partition, seq, attempt, %reason, "last attempt failed; dead-lettering");
             }
@@ -44,13 +45,13 @@ impl<T: Task> TaskWorker<T> {
         ctx.spawn(self.reaper.send(letter).into_actor(self).map(move |result, act, ctx| {
             match result {
                 Ok(Ok(())) => {
-                    if let Some(finished) = act.part.dead_lettered(order) {
+                    if let Some(finished) = act.part.handle(ev::DeadLettered(order), now()) {
                         act.after_stored(order, finished);
                     }
                 }
                 Ok(Err(e)) => {
                     warn!(error = %e, "dead letter not stored; trying again in {:?}", machine::DEAD_LETTER_RETRY);
-                    act.part.dead_letter_refused(order, reason, detail, Instant::now().into_std());
+                    act.part.handle(ev::DeadLetterRefused { order, reason, detail }, now());
                 }
                 Err(mailbox) => act.fail(format!("reaper unavailable: {mailbox}"), ctx),
             }
@@ -72,7 +73,7 @@ impl<T: Task> TaskWorker<T> {
             let positions = self.part.readiness().committable().clone();
             self.commit_positions(positions);
         }
-        self.part.readiness_mut().fail(reason.clone());
+        self.part.handle(ev::TaskFailed(reason.clone()), now());
         emit(
             &self.env.broker,
             &self.env.subjects,
@@ -82,7 +83,7 @@ impl<T: Task> TaskWorker<T> {
                 reason: reason.clone(),
             },
         );
-        self.part.release_all(false);
+        self.part.handle(ev::ReleaseAll { interrupted: false }, now());
         self.finish(Outcome::Failed(reason), ctx);
     }
 
@@ -90,7 +91,7 @@ impl<T: Task> TaskWorker<T> {
     /// back-off. The commit position stays before them, so whoever runs the partition
     /// next gets them again.
     pub(super) fn hand_back_backing_off(&mut self) {
-        let count = self.part.hand_back_backing_off();
+        let count = self.part.handle(ev::HandBackBackingOff, now());
         if count > 0 {
             info!(
                 stream = self.binding.stream,
@@ -151,7 +152,7 @@ impl<T: Task> TaskWorker<T> {
             "lease lost: stopping the partition without acking or publishing more"
         );
         self.publish_queue.clear();
-        self.part.abandon();
+        self.part.handle(ev::LeaseLost, now());
         self.finish(Outcome::Stopped, ctx);
     }
 
@@ -160,7 +161,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         self.finished = true;
-        self.part.readiness_mut().mark_complete();
+        self.part.handle(ev::Completed, now());
         // What this turn acked and completed goes out before the worker reports its end.
         self.send_batched(ctx);
         // Nothing runs here any more (a fenced or released worker leaves counts behind).
@@ -224,7 +225,7 @@ impl<T: Task> TaskWorker<T> {
         self.stopping = true;
         // Interrupted is not failed: hand back at once what has not started, and what
         // waits out a retry back-off.
-        self.part.hand_back_unstarted();
+        self.part.handle(ev::HandBackUnstarted, now());
         self.hand_back_backing_off();
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
@@ -235,7 +236,7 @@ impl<T: Task> TaskWorker<T> {
                     in_flight = act.part.held_count(),
                     "drain timeout: handing back in-flight messages"
                 );
-                act.part.release_all(true);
+                act.part.handle(ev::ReleaseAll { interrupted: true }, now());
                 act.finish(act.stopped_outcome(), ctx);
             }
         });
@@ -280,7 +281,7 @@ impl<T: Task> TaskWorker<T> {
                 partition = self.binding.partition,
                 "stopping without a commit: messages that finished after one handed back mid-retry cannot have their store changes committed apart from it; the next owner restores the last commit and runs them again"
             );
-            self.part.release_all(true);
+            self.part.handle(ev::ReleaseAll { interrupted: true }, now());
             self.finish(self.stopped_outcome(), ctx);
             return;
         }

@@ -30,7 +30,7 @@ impl<T: Task> TaskWorker<T> {
 
     pub(super) fn apply_requests(&mut self, tctx: &mut TaskContext) {
         if tctx.requests.commit {
-            self.part.readiness_mut().request_commit();
+            self.part.handle(ev::CommitWanted, now());
         }
         if let Some(scope) = tctx.requests.shutdown {
             self.report(WorkerReport::ShutdownRequested { slot: self.binding.slot, scope });
@@ -124,11 +124,11 @@ impl<T: Task> TaskWorker<T> {
                 self.commit_hook_changes();
             }
             HookKind::Window => {
-                self.part.readiness_mut().window_done();
+                self.part.handle(ev::WindowRan, now());
                 self.commit_hook_changes();
             }
             HookKind::Timers => {
-                self.part.readiness_mut().timer_done();
+                self.part.handle(ev::TimersRan, now());
                 self.commit_hook_changes();
             }
             HookKind::Commit => {

@@ -73,7 +73,7 @@ use crate::trace::TraceContext;
 use actix::prelude::*;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
-use flotilla_proto::partition::machine::{self, Delivered, Effect, Finished, Held, Next, Partition};
+use flotilla_proto::partition::machine::{self, Delivered, Effect, Finished, Held, Next, Partition, event as ev};
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
@@ -320,6 +320,12 @@ pub struct TaskWorker<T: Task> {
     commit_started: Option<(Instant, tracing::Span)>,
 }
 
+/// The time, for the partition machine (which keeps `std` instants; under a paused
+/// test clock this is the paused time).
+fn now() -> std::time::Instant {
+    Instant::now().into_std()
+}
+
 /// The kind an acknowledgement counts as in [`crate::metrics::names::ACKS`].
 fn ack_count(kind: AckKind) -> AckCount {
     match kind {
@@ -502,7 +508,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
     type Result = ();
 
     fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self>) {
-        let now = Instant::now();
+        let now = now();
         let mut dropped = 0;
         for d in msg.0 {
             if self.stopping || self.finished {
@@ -511,7 +517,10 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 continue;
             }
             if self.binding.ordered() {
-                match self.part.admit(d.info.stream_seq, d.info.consumer_seq) {
+                match self
+                    .part
+                    .handle(ev::Offered { stream_seq: d.info.stream_seq, consumer_seq: d.info.consumer_seq }, now)
+                {
                     Admission::Take => {}
                     Admission::Redelivered => {
                         dropped += 1;
@@ -541,9 +550,9 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
                 Some(MessageKind::EndOfStream) if self.binding.ordered() => EnvelopeKind::EndOfStream,
                 _ => EnvelopeKind::Data,
             };
-            self.part.arrive(kind, Msg { delivery: d, trace: None }, now.into_std());
+            self.part.handle(ev::Arrived { kind, msg: Msg { delivery: d, trace: None } }, now);
         }
-        self.part.dropped(dropped);
+        self.part.handle(ev::Dropped(dropped), now);
         self.drive(ctx);
     }
 }
@@ -562,10 +571,10 @@ impl<T: Task> Handler<WorkerControl> for TaskWorker<T> {
 
     fn handle(&mut self, control: WorkerControl, ctx: &mut Context<Self>) {
         match control {
-            WorkerControl::Pause => self.part.readiness_mut().pause(),
-            WorkerControl::Resume => self.part.readiness_mut().resume(),
+            WorkerControl::Pause => self.part.handle(ev::Paused, now()),
+            WorkerControl::Resume => self.part.handle(ev::Resumed, now()),
             WorkerControl::Step => {
-                if !self.part.readiness_mut().step() {
+                if !self.part.handle(ev::Stepped, now()) {
                     debug!(
                         stream = self.binding.stream,
                         partition = self.binding.partition,
@@ -602,10 +611,10 @@ impl<T: Task> Handler<Tick> for TaskWorker<T> {
                     return;
                 }
             }
-            Tick::Window => self.part.readiness_mut().request_window(),
+            Tick::Window => self.part.handle(ev::WindowDue, now()),
             Tick::UserTimer(name) => {
                 self.due_timers.push(name);
-                self.part.readiness_mut().request_timer();
+                self.part.handle(ev::TimersDue, now());
             }
             Tick::Backlog | Tick::Sweep | Tick::Resume | Tick::Restart(_) | Tick::Scan | Tick::Renew => {}
         }

@@ -99,7 +99,7 @@ impl<T: Task> TaskWorker<T> {
         let (position, hooks) = (restored.changelog.commit.position, restored.changelog.commit.hooks);
         d.changelog = Some(restored.changelog);
         d.restore_failures = 0;
-        self.part.restored_to(position);
+        self.part.handle(ev::Restored(position), now());
         self.hook_at = (position, hooks);
         self.metrics.restored(restored.keys.len() as u64, started.elapsed());
         emit(
@@ -274,7 +274,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, ?blame, "restarting the partition from its last commit");
-        self.part.release_all(true);
+        self.part.handle(ev::ReleaseAll { interrupted: true }, now());
         self.finish(Outcome::Restore { reason, blame }, ctx);
     }
 
@@ -289,7 +289,7 @@ impl<T: Task> TaskWorker<T> {
         if !d.stores.borrow_mut().undo(order) {
             return false;
         }
-        self.part.unapplied(order);
+        self.part.handle(ev::Unapplied(order), now());
         true
     }
 
@@ -302,7 +302,7 @@ impl<T: Task> TaskWorker<T> {
         match then {
             AfterCommit::Drive => self.drive(ctx),
             AfterCommit::Finish(outcome) => {
-                self.part.hand_back_unstarted();
+                self.part.handle(ev::HandBackUnstarted, now());
                 self.finish(outcome, ctx);
             }
             AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
@@ -313,7 +313,7 @@ impl<T: Task> TaskWorker<T> {
     /// (its outputs are out; what they report must not be reported again).
     pub(super) fn commit_hook_changes(&mut self) {
         if self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()) {
-            self.part.readiness_mut().request_commit();
+            self.part.handle(ev::CommitWanted, now());
         }
     }
 

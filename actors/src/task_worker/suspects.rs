@@ -4,7 +4,7 @@
 //! ([`SUSPECT_WINDOW`]) with its owner alive, counted again when it ends its owner in
 //! sight, and cleared when it finishes.
 
-use super::{SUSPECTS, SuspectRecord, TaskWorker};
+use super::{SUSPECTS, SuspectRecord, TaskWorker, ev, now};
 use crate::task::Task;
 use actix::prelude::*;
 use flotilla_proto::partition::intake::{SUSPECT_WINDOW, SuspectVerdict};
@@ -38,23 +38,23 @@ impl<T: Task> TaskWorker<T> {
             act.lane = permit.map(|p| (seq, Some(p)));
             match verdict {
                 Ok(None) => {
-                    act.part.retry_due(order);
+                    act.part.handle(ev::Ready(order), now());
                     ctx.run_later(SUSPECT_WINDOW, move |act, ctx| act.suspect_outlived(seq, ctx));
                 }
                 Ok(Some(starts)) => {
                     let limit = act.config.crash_limit;
                     debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
-                    act.part.dead_letter(
+                    act.part.handle(ev::Poison {
                         order,
-                        "crash-loop",
-                        format!(
+                        reason: "crash-loop",
+                        detail: format!(
                             "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
                         ),
-                    );
+                    }, now());
                 }
                 Err(e) => {
                     warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
-                    act.part.retry_due(order);
+                    act.part.handle(ev::Ready(order), now());
                 }
             }
             act.drive(ctx);

@@ -1,8 +1,10 @@
 //! The per-partition machine: one worker's messages from claim to acknowledgement, and
-//! what finishes them. Events come in as method calls with time (and, where a wait is
-//! jittered, a uniform sample) passed in; what the worker must do goes out as
-//! [`Effect`]s through [`Partition::poll_effect`]. No I/O, no clock, no randomness of
-//! its own.
+//! what finishes them. Events come in through [`Partition::handle`] with the time (and,
+//! where a wait is jittered, a uniform sample) passed in, one type per event in
+//! [`event`], each with its typed answer; what the worker must do goes out as
+//! [`Effect`]s through [`Partition::poll_effect`], what it runs next through
+//! [`Partition::next`], and when to come back through [`Partition::poll_timeout`] and
+//! [`Partition::handle_timeout`]. No I/O, no clock, no randomness of its own.
 //!
 //! It owns the facts the worker used to keep beside the readiness machine, so each has
 //! one owner: which messages are held and in which attempt, which of them count as in
@@ -34,7 +36,7 @@
 //!   and calls [`Partition::handle_timeout`] when it comes.
 
 use super::AckKind;
-use super::intake::{Admission, AfterFailure, Discipline, Intake, commit_due, progress_due};
+use super::intake::{AfterFailure, Discipline, Intake, commit_due, progress_due};
 use super::readiness::{EnvelopeKind, Op, Pending, TaskState};
 use crate::backoff::{RetryPolicy, UNAVAILABLE};
 use rustc_hash::FxHashMap;
@@ -105,7 +107,7 @@ impl<M> Held<M> {
     }
 }
 
-/// A message that finished ([`Partition::effects_stored`], [`Partition::dead_lettered`]):
+/// A message that finished (the answer to [`event::EffectsStored`] and [`event::DeadLettered`]):
 /// what the worker needs to release what it kept for it (small, so that the hot path
 /// does not move the delivery around again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,7 +140,7 @@ pub enum Effect<M: Delivered> {
     /// (one broker operation per turn, not one per message).
     Acks(Vec<(M::Token, AckKind)>),
     /// Store the message at `order` in the dead-letter stream, then report
-    /// [`Partition::dead_lettered`] (or [`Partition::dead_letter_refused`]).
+    /// [`event::DeadLettered`] (or [`event::DeadLetterRefused`]).
     DeadLetter {
         /// The message.
         order: u64,
@@ -265,12 +267,6 @@ impl<M: Delivered> Partition<M> {
         &self.state
     }
 
-    /// The readiness machine, for requests (commit, window, timer, pause) and hook
-    /// completions; in-flight accounting goes through this machine only.
-    pub fn readiness_mut(&mut self) -> &mut TaskState<M> {
-        &mut self.state
-    }
-
     /// How messages are finished here.
     pub fn discipline(&self) -> Discipline {
         self.config.discipline
@@ -282,11 +278,6 @@ impl<M: Delivered> Partition<M> {
 
     // ---- intake ----
 
-    /// A delivery of an ordered partition: whether to take it.
-    pub fn admit(&mut self, stream_seq: u64, consumer_seq: u64) -> Admission {
-        self.intake.admit(stream_seq, consumer_seq)
-    }
-
     /// The highest stream sequence committed.
     pub fn committed(&self) -> u64 {
         self.intake.committed()
@@ -294,7 +285,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Queues a delivery taken at `now`; returns its order. Every message of an
     /// ordered input is claimed until committed, and so is a queue input's marker.
-    pub fn arrive(&mut self, kind: EnvelopeKind, msg: M, now: Instant) -> u64 {
+    pub(crate) fn arrive(&mut self, kind: EnvelopeKind, msg: M, now: Instant) -> u64 {
         let claim = (self.ordered() || !matches!(kind, EnvelopeKind::Data)).then(|| Claim {
             token: msg.token().clone(),
             seq: msg.stream_seq(),
@@ -308,7 +299,7 @@ impl<M: Delivered> Partition<M> {
     }
 
     /// Messages dropped on arrival (redeliveries, a stopping worker's hand-backs).
-    pub fn dropped(&mut self, count: usize) {
+    pub(crate) fn dropped(&mut self, count: usize) {
         self.credit += count;
     }
 
@@ -386,7 +377,7 @@ impl<M: Delivered> Partition<M> {
     /// A routed message is ready for an attempt (its hand-backs counted, its suspect
     /// record stored), or a retry's back-off is over: it starts at the next
     /// [`next`](Self::next).
-    pub fn retry_due(&mut self, order: u64) {
+    pub(crate) fn retry_due(&mut self, order: u64) {
         self.retries.push_back(order);
     }
 
@@ -400,9 +391,10 @@ impl<M: Delivered> Partition<M> {
         self.held.get(&order)
     }
 
-    /// A held message, to read its delivery.
-    pub fn held_mut(&mut self, order: u64) -> Option<&mut Held<M>> {
-        self.held.get_mut(&order)
+    /// A held message's delivery, to change what the worker keeps in it (its
+    /// attempt's trace context); the machine reads only [`Delivered`] of it.
+    pub fn msg_mut(&mut self, order: u64) -> Option<&mut M> {
+        self.held.get_mut(&order).map(|h| &mut h.msg)
     }
 
     /// The held message at stream sequence `seq`.
@@ -428,7 +420,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Sets the attempt of a held message (a queue message whose hand-backs were
     /// counted); `false` when it is not held.
-    pub fn set_attempt(&mut self, order: u64, attempt: u32) -> bool {
+    pub(crate) fn set_attempt(&mut self, order: u64, attempt: u32) -> bool {
         match self.held.get_mut(&order) {
             Some(h) => {
                 h.attempt = attempt;
@@ -442,7 +434,7 @@ impl<M: Delivered> Partition<M> {
 
     /// The next attempt of the message at `order` starts at `now`: `false` when it
     /// does not run (it is not held, or its dead letter is due again).
-    pub fn start(&mut self, order: u64, now: Instant) -> bool {
+    pub(crate) fn start(&mut self, order: u64, now: Instant) -> bool {
         let Some(h) = self.held.get_mut(&order) else { return false };
         if let Some((reason, detail)) = h.dead_letter.take() {
             self.dead_letter(order, reason, detail);
@@ -457,14 +449,14 @@ impl<M: Delivered> Partition<M> {
     }
 
     /// The task's `process` runs for the current attempt (the message decoded).
-    pub fn running(&mut self, order: u64) {
+    pub(crate) fn running(&mut self, order: u64) {
         if let Some(h) = self.held.get_mut(&order) {
             h.ran = true;
         }
     }
 
     /// `process` returned `Ok`: with stores, its changes are applied.
-    pub fn returned_ok(&mut self, order: u64) {
+    pub(crate) fn returned_ok(&mut self, order: u64) {
         if let Some(h) = self.held.get_mut(&order) {
             h.applied = self.config.durable;
             self.applied_through = self.applied_through.max(h.msg.stream_seq());
@@ -473,7 +465,7 @@ impl<M: Delivered> Partition<M> {
 
     /// The stores were restored to the commit at stream sequence `position`: inputs up
     /// to it are reflected in the state already.
-    pub fn restored_to(&mut self, position: u64) {
+    pub(crate) fn restored_to(&mut self, position: u64) {
         self.applied_through = position;
     }
 
@@ -484,7 +476,7 @@ impl<M: Delivered> Partition<M> {
     }
 
     /// The applied changes of the message at `order` were undone.
-    pub fn unapplied(&mut self, order: u64) {
+    pub(crate) fn unapplied(&mut self, order: u64) {
         if let Some(h) = self.held.get_mut(&order) {
             h.applied = false;
         }
@@ -492,7 +484,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Its callbacks returned: it counts against concurrency no more (its outputs may
     /// still be on their way).
-    pub fn process_done(&mut self, order: u64) {
+    pub(crate) fn process_done(&mut self, order: u64) {
         if let Some(h) = self.held.get_mut(&order)
             && h.counted
         {
@@ -503,7 +495,7 @@ impl<M: Delivered> Partition<M> {
 
     /// A message that had returned must run again (its outputs were refused): it
     /// counts as in flight again.
-    pub fn recount(&mut self, order: u64, now: Instant) {
+    pub(crate) fn recount(&mut self, order: u64, now: Instant) {
         if let Some(h) = self.held.get_mut(&order)
             && !h.counted
         {
@@ -515,7 +507,7 @@ impl<M: Delivered> Partition<M> {
     /// One attempt failed: retry (in place or by a nak) after the policy's back-off,
     /// `sample` jittering it, or dead-letter it on its last attempt. What was decided,
     /// `None` when the message is not held.
-    pub fn failed(&mut self, order: u64, reason: &str, now: Instant, sample: f64) -> Option<AfterFailure> {
+    pub(crate) fn failed(&mut self, order: u64, reason: &str, now: Instant, sample: f64) -> Option<AfterFailure> {
         let attempt = self.held.get(&order)?.attempt;
         let after = self.config.discipline.after_failure(attempt, &self.config.retry, sample);
         match after {
@@ -544,7 +536,7 @@ impl<M: Delivered> Partition<M> {
     /// [`UNAVAILABLE`] back-off without counting an attempt, up to the ceiling, past
     /// which it is a failed attempt. The wait, `None` when it was a failed attempt (or
     /// the message is not held).
-    pub fn unavailable(&mut self, order: u64, reason: &str, now: Instant, sample: f64) -> Option<Duration> {
+    pub(crate) fn unavailable(&mut self, order: u64, reason: &str, now: Instant, sample: f64) -> Option<Duration> {
         self.recount(order, now);
         let h = self.held.get_mut(&order)?;
         h.unavailable += 1;
@@ -565,7 +557,7 @@ impl<M: Delivered> Partition<M> {
     // ---- finishing ----
 
     /// Sends the message at `order` to the dead-letter stream.
-    pub fn dead_letter(&mut self, order: u64, reason: &'static str, detail: String) {
+    pub(crate) fn dead_letter(&mut self, order: u64, reason: &'static str, detail: String) {
         let Some(h) = self.held.get(&order) else { return };
         let attempts = h.attempt.saturating_sub(1) + u32::from(h.ran);
         self.effects.push_back(Effect::DeadLetter { order, reason, detail, attempts });
@@ -573,7 +565,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Its dead letter is stored: an ordered message completes in place, a queue one is
     /// terminated. What finished, for the worker to release what it kept for it.
-    pub fn dead_lettered(&mut self, order: u64) -> Option<Finished> {
+    pub(crate) fn dead_lettered(&mut self, order: u64) -> Option<Finished> {
         match self.config.discipline.after_dead_letter() {
             None => {
                 self.process_done(order);
@@ -589,7 +581,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Its dead letter could not be stored at `now`: it is tried again
     /// [`DEAD_LETTER_RETRY`] later, at its next start.
-    pub fn dead_letter_refused(&mut self, order: u64, reason: &'static str, detail: String, now: Instant) {
+    pub(crate) fn dead_letter_refused(&mut self, order: u64, reason: &'static str, detail: String, now: Instant) {
         if let Some(h) = self.held.get_mut(&order) {
             h.dead_letter = Some((reason, detail));
             self.backing_off.insert((now + DEAD_LETTER_RETRY, order));
@@ -599,7 +591,7 @@ impl<M: Delivered> Partition<M> {
     /// The message is processed and its outputs are stored: a queue message is acked,
     /// an ordered one becomes committable (and a commit is requested when one is due).
     /// What finished, for the worker to release what it kept for it.
-    pub fn effects_stored(&mut self, order: u64) -> Option<Finished> {
+    pub(crate) fn effects_stored(&mut self, order: u64) -> Option<Finished> {
         let h = self.held.remove(&order)?;
         if self.ordered() {
             self.state.effects_done(order);
@@ -616,7 +608,7 @@ impl<M: Delivered> Partition<M> {
     /// Done with a held message without acknowledging it here (nak'd, terminated,
     /// parked). `None`, and nothing changes, when it is not held (any more: a stop or a
     /// failure handed it back meanwhile).
-    pub fn forget(&mut self, order: u64) -> Option<Held<M>> {
+    pub(crate) fn forget(&mut self, order: u64) -> Option<Held<M>> {
         let h = self.held.remove(&order)?;
         if h.counted {
             self.state.process_done(order);
@@ -649,7 +641,7 @@ impl<M: Delivered> Partition<M> {
     /// Acknowledges everything up to `positions` (the committable positions when the
     /// commit began): one ack-all of the last claimed delivery (ordered), the markers
     /// one by one (queue). How many claimed messages it covered.
-    pub fn commit(&mut self, positions: BTreeMap<u32, u64>) -> usize {
+    pub(crate) fn commit(&mut self, positions: BTreeMap<u32, u64>) -> usize {
         let mut covered = 0;
         if let Some(&pos) = positions.get(&0) {
             let rest = self.claims.split_off(&(pos + 1));
@@ -681,7 +673,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Hands back (interrupted) what was claimed and never started — for example what
     /// followed a drain marker — so the next run gets it at once.
-    pub fn hand_back_unstarted(&mut self) {
+    pub(crate) fn hand_back_unstarted(&mut self) {
         for p in self.state.take_unstarted() {
             self.claims.remove(&p.order);
             self.effects.push_back(Effect::HandBack { msg: Box::new(p.msg), interrupted: true });
@@ -691,7 +683,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Hands back the messages waiting for a retry (a stop does not wait out their
     /// back-off); the commit position stays before them. How many.
-    pub fn hand_back_backing_off(&mut self) -> usize {
+    pub(crate) fn hand_back_backing_off(&mut self) -> usize {
         let mut waiting: Vec<u64> =
             self.held.iter().filter(|(_, h)| h.backing_off && !h.applied).map(|(&order, _)| order).collect();
         waiting.sort_unstable();
@@ -721,7 +713,7 @@ impl<M: Delivered> Partition<M> {
     /// Hands back everything held and not finished; `interrupted` when that is not
     /// their fault (a stop's deadline). After a task failure it is: the culprit is
     /// among them.
-    pub fn release_all(&mut self, interrupted: bool) {
+    pub(crate) fn release_all(&mut self, interrupted: bool) {
         for p in self.state.take_unstarted() {
             self.effects.push_back(Effect::HandBack { msg: Box::new(p.msg), interrupted });
         }
@@ -735,7 +727,7 @@ impl<M: Delivered> Partition<M> {
 
     /// The partition's lease is lost: forget everything, acknowledge and hand back
     /// nothing (the new owner resumes at the committed position).
-    pub fn abandon(&mut self) {
+    pub(crate) fn abandon(&mut self) {
         let _ = self.state.take_unstarted();
         self.held.clear();
         self.claims.clear();
@@ -744,8 +736,10 @@ impl<M: Delivered> Partition<M> {
     }
 }
 
+pub mod event;
 mod time;
 
+pub use event::Event;
 pub use time::{DEAD_LETTER_RETRY, Timing};
 
 #[cfg(test)]

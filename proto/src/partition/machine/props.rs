@@ -12,6 +12,7 @@
 //! * an ordered partition's ack-alls go up, and never cover a message that did not
 //!   finish: the commit position stays before anything held, handed back or not started.
 
+use super::event as ev;
 use super::*;
 use proptest::prelude::*;
 
@@ -67,7 +68,7 @@ struct Seen {
     handed_back_mid_retry: usize,
 }
 
-fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool) {
+fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool, now: Instant) {
     while let Some(effect) = p.poll_effect() {
         match effect {
             Effect::Acks(batch) => {
@@ -83,7 +84,7 @@ fn drain(p: &mut Partition<Msg>, seen: &mut Seen, ordered: bool) {
             }
             Effect::DeadLetter { order, .. } => {
                 // The dead letter is stored at once.
-                p.dead_lettered(order);
+                p.handle(ev::DeadLettered(order), now);
             }
             Effect::HandBack { msg, .. } => seen.ended.entry(msg.seq).or_default().push("back"),
             Effect::Credit(n) => seen.credit += n,
@@ -121,7 +122,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         match step {
             Step::Arrive if !stopped => {
                 arrived += 1;
-                p.arrive(EnvelopeKind::Data, Msg { seq: arrived, delivered: 1 }, now);
+                p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: arrived, delivered: 1 } }, now);
             }
             Step::Arrive => {}
             Step::Run(outcomes) => {
@@ -130,37 +131,39 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                         Next::Begin(order) | Next::Retry(order) => order,
                         Next::Commit => {
                             let positions = p.readiness().committable().clone();
-                            p.commit(positions);
-                            drain(&mut p, &mut seen, ordered);
+                            p.handle(ev::Committed(positions), now);
+                            drain(&mut p, &mut seen, ordered, now);
                             continue;
                         }
                         _ => break,
                     };
-                    if !p.start(order, now) {
-                        drain(&mut p, &mut seen, ordered);
+                    if !p.handle(ev::Started(order), now) {
+                        drain(&mut p, &mut seen, ordered, now);
                         continue;
                     }
-                    p.running(order);
+                    p.handle(ev::Running(order), now);
                     match outcome {
                         Outcome::Done => {
-                            p.returned_ok(order);
-                            p.process_done(order);
-                            p.effects_stored(order);
+                            p.handle(ev::ReturnedOk(order), now);
+                            p.handle(ev::CallbacksDone(order), now);
+                            p.handle(ev::EffectsStored(order), now);
                         }
                         Outcome::Failed => {
-                            p.failed(order, "failed", now, 0.5);
+                            p.handle(ev::Failed { order: order, reason: "failed", sample: 0.5 }, now);
                         }
                         Outcome::Unavailable => {
-                            p.unavailable(order, "down", now, 0.5);
+                            p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now);
                         }
-                        Outcome::DeadLetter => p.dead_letter(order, "poison", "poison".into()),
+                        Outcome::DeadLetter => {
+                            p.handle(ev::Poison { order: order, reason: "poison", detail: "poison".into() }, now)
+                        }
                         Outcome::Refused => {
-                            p.process_done(order);
-                            p.recount(order, now);
-                            p.failed(order, "refused", now, 0.5);
+                            p.handle(ev::CallbacksDone(order), now);
+                            p.handle(ev::OutputsRefused(order), now);
+                            p.handle(ev::Failed { order: order, reason: "refused", sample: 0.5 }, now);
                         }
                     }
-                    drain(&mut p, &mut seen, ordered);
+                    drain(&mut p, &mut seen, ordered, now);
                     check_counts(&p, max_concurrency)?;
                 }
             }
@@ -170,18 +173,18 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                 if !waiting.is_empty() {
                     let due = waiting[usize::from(pick) % waiting.len()];
                     p.backing_off.remove(&due);
-                    p.retry_due(due.1);
+                    p.handle(ev::Ready(due.1), now);
                 }
             }
             Step::Stop if !stopped => {
                 stopped = true;
-                p.hand_back_unstarted();
-                seen.handed_back_mid_retry = p.hand_back_backing_off();
-                drain(&mut p, &mut seen, ordered);
+                p.handle(ev::HandBackUnstarted, now);
+                seen.handed_back_mid_retry = p.handle(ev::HandBackBackingOff, now);
+                drain(&mut p, &mut seen, ordered, now);
             }
             Step::Stop => {}
         }
-        drain(&mut p, &mut seen, ordered);
+        drain(&mut p, &mut seen, ordered, now);
         check_counts(&p, max_concurrency)?;
         prop_assert!(seen.commits.windows(2).all(|w| w[0] < w[1]), "ack-alls go up: {:?}", seen.commits);
         if let Some(&last) = seen.commits.last() {
@@ -200,25 +203,25 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         p.handle_timeout(now + Duration::from_secs(3600));
         match p.next(now) {
             Next::Begin(order) | Next::Retry(order) => {
-                if p.start(order, now) {
-                    p.returned_ok(order);
-                    p.process_done(order);
-                    p.effects_stored(order);
+                if p.handle(ev::Started(order), now) {
+                    p.handle(ev::ReturnedOk(order), now);
+                    p.handle(ev::CallbacksDone(order), now);
+                    p.handle(ev::EffectsStored(order), now);
                 }
             }
             Next::Commit => {
                 let positions = p.readiness().committable().clone();
-                p.commit(positions);
+                p.handle(ev::Committed(positions), now);
             }
             _ => {
-                p.readiness_mut().request_commit();
+                p.handle(ev::CommitWanted, now);
                 if p.next(now) == Next::Commit {
                     let positions = p.readiness().committable().clone();
-                    p.commit(positions);
+                    p.handle(ev::Committed(positions), now);
                 }
             }
         }
-        drain(&mut p, &mut seen, ordered);
+        drain(&mut p, &mut seen, ordered, now);
         check_counts(&p, max_concurrency)?;
     }
     prop_assert_eq!(p.held_count(), 0, "everything finished");

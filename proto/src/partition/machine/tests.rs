@@ -1,3 +1,4 @@
+use super::event as ev;
 use super::*;
 use crate::partition::readiness::TaskState;
 
@@ -73,11 +74,11 @@ fn credit(effects: &[Effect<Msg>]) -> usize {
 /// Delivers `seqs` (first deliveries) and begins them all; returns their orders.
 fn deliver_and_begin(p: &mut Partition<Msg>, seqs: &[u64], now: Instant) -> Vec<u64> {
     for &seq in seqs {
-        p.arrive(EnvelopeKind::Data, Msg { seq, delivered: 1 }, now);
+        p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq, delivered: 1 } }, now);
     }
     let mut orders = Vec::new();
     while let Next::Begin(order) = p.next(now) {
-        assert!(p.start(order, now));
+        assert!(p.handle(ev::Started(order), now));
         orders.push(order);
     }
     orders
@@ -90,14 +91,14 @@ fn a_queue_message_is_acked_once_its_outputs_are_stored_and_credited_once() {
     let orders = deliver_and_begin(&mut p, &[10, 11], now);
     assert_eq!(orders, vec![0, 1]);
     assert_eq!(p.readiness().in_flight(), 2);
-    p.process_done(1);
-    assert!(p.effects_stored(1).is_some());
+    p.handle(ev::CallbacksDone(1), now);
+    assert!(p.handle(ev::EffectsStored(1), now).is_some());
     let out = effects(&mut p);
     assert_eq!(acks(&out), vec![(11, AckKind::Ack)]);
     assert_eq!(credit(&out), 1);
     assert!(matches!(out.last(), Some(Effect::Credit(1))), "the credit comes last, as one");
     assert_eq!(p.readiness().in_flight(), 1);
-    assert!(p.effects_stored(1).is_none(), "finishing twice does nothing");
+    assert!(p.handle(ev::EffectsStored(1), now).is_none(), "finishing twice does nothing");
     assert!(effects(&mut p).is_empty());
 }
 
@@ -108,21 +109,21 @@ fn an_ordered_partition_commits_once_a_window_completed_with_one_ack_all_of_the_
     let orders = deliver_and_begin(&mut p, &[5, 6, 7, 8, 9], now);
     // Out of order: nothing is committable until the first is done.
     for &o in orders.iter().skip(1).take(3) {
-        p.process_done(o);
-        p.effects_stored(o);
+        p.handle(ev::CallbacksDone(o), now);
+        p.handle(ev::EffectsStored(o), now);
     }
     assert!(!p.readiness().commit_pending());
-    p.process_done(orders[0]);
-    p.effects_stored(orders[0]);
+    p.handle(ev::CallbacksDone(orders[0]), now);
+    p.handle(ev::EffectsStored(orders[0]), now);
     assert!(p.readiness().commit_pending(), "a window of four completed");
     assert_eq!(p.committable_seq(), Some(8));
     assert!(effects(&mut p).is_empty(), "no ack before the commit");
     assert_eq!(p.next(now), Next::Idle, "the commit waits for what runs");
-    p.process_done(orders[4]);
-    p.effects_stored(orders[4]);
+    p.handle(ev::CallbacksDone(orders[4]), now);
+    p.handle(ev::EffectsStored(orders[4]), now);
     assert_eq!(p.next(now), Next::Commit);
     let positions = p.readiness().committable().clone();
-    p.commit(positions);
+    p.handle(ev::Committed(positions), now);
     let out = effects(&mut p);
     assert_eq!(acks(&out), vec![(9, AckKind::Ack)], "one ack-all of the last in the prefix");
     assert_eq!(credit(&out), 5);
@@ -135,8 +136,8 @@ fn an_idle_partition_commits_what_completed_at_once() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 8);
     let orders = deliver_and_begin(&mut p, &[1], now);
-    p.process_done(orders[0]);
-    p.effects_stored(orders[0]);
+    p.handle(ev::CallbacksDone(orders[0]), now);
+    p.handle(ev::EffectsStored(orders[0]), now);
     assert!(p.readiness().commit_pending());
 }
 
@@ -145,8 +146,10 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 1);
     let order = deliver_and_begin(&mut p, &[3], now)[0];
-    p.running(order);
-    let Some(AfterFailure::RetryInPlace(delay)) = p.failed(order, "boom", now, 0.5) else {
+    p.handle(ev::Running(order), now);
+    let Some(AfterFailure::RetryInPlace(delay)) =
+        p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now)
+    else {
         panic!("an ordered failure is retried in place")
     };
     assert!(effects(&mut p).is_empty());
@@ -158,15 +161,15 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
     assert_eq!(p.next(now), Next::Idle, "not before its back-off is over");
     p.handle_timeout(now + delay);
     assert_eq!(p.next(now), Next::Retry(order));
-    assert!(p.start(order, now));
-    p.running(order);
-    p.failed(order, "boom", now, 0.5);
+    assert!(p.handle(ev::Started(order), now));
+    p.handle(ev::Running(order), now);
+    p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now);
     p.handle_timeout(now + Duration::from_secs(60));
     effects(&mut p);
     assert_eq!(p.next(now), Next::Retry(order));
-    assert!(p.start(order, now));
-    p.running(order);
-    assert_eq!(p.failed(order, "boom", now, 0.5), Some(AfterFailure::DeadLetter));
+    assert!(p.handle(ev::Started(order), now));
+    p.handle(ev::Running(order), now);
+    assert_eq!(p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now), Some(AfterFailure::DeadLetter));
     match effects(&mut p).as_slice() {
         [Effect::DeadLetter { order: o, reason: "max-attempts", detail, attempts: 3 }] => {
             assert_eq!(*o, order);
@@ -174,7 +177,7 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
         }
         other => panic!("expected a dead letter, got {other:?}"),
     }
-    assert!(p.dead_lettered(order).is_some());
+    assert!(p.handle(ev::DeadLettered(order), now).is_some());
     assert!(p.readiness().uncommitted(), "skipped: it completes in place");
     assert!(acks(&effects(&mut p)).is_empty(), "an ordered message is never term'd");
 }
@@ -184,7 +187,7 @@ fn a_queue_failure_is_nakked_with_its_back_off_and_a_dead_letter_terminates() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    match p.failed(orders[0], "no", now, 0.5) {
+    match p.handle(ev::Failed { order: orders[0], reason: "no", sample: 0.5 }, now) {
         Some(AfterFailure::Nak(delay)) => {
             let out = effects(&mut p);
             assert_eq!(acks(&out), vec![(1, AckKind::Nak(Some(delay)))]);
@@ -193,9 +196,9 @@ fn a_queue_failure_is_nakked_with_its_back_off_and_a_dead_letter_terminates() {
         other => panic!("expected a nak, got {other:?}"),
     }
     assert!(p.held(orders[0]).is_none());
-    p.dead_letter(orders[1], "malformed", "bad bytes".into());
+    p.handle(ev::Poison { order: orders[1], reason: "malformed", detail: "bad bytes".into() }, now);
     assert!(matches!(effects(&mut p).as_slice(), [Effect::DeadLetter { attempts: 0, .. }]), "it never ran");
-    p.dead_lettered(orders[1]);
+    p.handle(ev::DeadLettered(orders[1]), now);
     assert_eq!(acks(&effects(&mut p)), vec![(2, AckKind::Term)]);
     assert_eq!(p.readiness().in_flight(), 0);
 }
@@ -205,11 +208,11 @@ fn a_dead_letter_not_stored_is_tried_again_at_the_next_start() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    p.dead_letter_refused(order, "crash-loop", "again".into(), now);
+    p.handle(ev::DeadLetterRefused { order: order, reason: "crash-loop", detail: "again".into() }, now);
     assert!(effects(&mut p).is_empty());
     p.handle_timeout(now + DEAD_LETTER_RETRY);
     assert_eq!(p.next(now), Next::Retry(order), "tried again a second later");
-    assert!(!p.start(order, now), "it does not run: its dead letter is due");
+    assert!(!p.handle(ev::Started(order), now), "it does not run: its dead letter is due");
     assert!(matches!(effects(&mut p).as_slice(), [Effect::DeadLetter { reason: "crash-loop", .. }]));
 }
 
@@ -218,11 +221,15 @@ fn unavailable_costs_no_attempt_up_to_the_ceiling() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    let first = p.unavailable(order, "down", now, 0.5).expect("a wait");
-    let second = p.unavailable(order, "down", now, 0.5).expect("a wait");
+    let first = p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now).expect("a wait");
+    let second = p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now).expect("a wait");
     assert_eq!((first, second), (UNAVAILABLE.wait(1, 0.5), UNAVAILABLE.wait(2, 0.5)));
     assert_eq!(p.held(order).map(|h| h.attempt), Some(1));
-    assert_eq!(p.unavailable(order, "down", now, 0.5), None, "the third is past the ceiling of two");
+    assert_eq!(
+        p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now),
+        None,
+        "the third is past the ceiling of two"
+    );
     assert_eq!(p.held(order).map(|h| h.attempt), Some(2), "and costs an attempt");
 }
 
@@ -231,10 +238,10 @@ fn a_message_whose_outputs_were_refused_counts_in_flight_again() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    p.process_done(order);
+    p.handle(ev::CallbacksDone(order), now);
     assert_eq!(p.readiness().in_flight(), 0);
-    p.recount(order, now);
-    p.recount(order, now);
+    p.handle(ev::OutputsRefused(order), now);
+    p.handle(ev::OutputsRefused(order), now);
     assert_eq!(p.readiness().in_flight(), 1, "counted once however often");
 }
 
@@ -244,8 +251,8 @@ fn restores_forced_before_count_as_attempts_and_can_spend_them() {
     let mut cfg = config(Discipline::Ordered);
     cfg.blamed = vec![(7, 1), (8, 3)];
     let mut p = partition(cfg, 4);
-    p.arrive(EnvelopeKind::Data, Msg { seq: 7, delivered: 1 }, now);
-    p.arrive(EnvelopeKind::Data, Msg { seq: 8, delivered: 1 }, now);
+    p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 7, delivered: 1 } }, now);
+    p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 8, delivered: 1 } }, now);
     let Next::Begin(first) = p.next(now) else { panic!("the first begins") };
     assert_eq!(p.held(first).map(|h| h.attempt), Some(2));
     assert_eq!(p.next(now), Next::Idle, "the second does not run");
@@ -261,15 +268,15 @@ fn with_stores_an_input_the_restored_state_reflects_is_finished_without_running(
     let mut cfg = config(Discipline::Ordered);
     cfg.durable = true;
     let mut p = partition(cfg, 4);
-    p.restored_to(4);
+    p.handle(ev::Restored(4), now);
     // The input the restore reflects comes again (its ack was lost): skipped, yet
     // committable in order.
-    p.arrive(EnvelopeKind::Data, Msg { seq: 4, delivered: 2 }, now);
-    p.arrive(EnvelopeKind::Data, Msg { seq: 5, delivered: 1 }, now);
+    p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 4, delivered: 2 } }, now);
+    p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 5, delivered: 1 } }, now);
     let Next::Begin(next) = p.next(now) else { panic!("the new one begins") };
     assert_eq!(p.held(next).map(|h| h.msg.seq), Some(5));
     assert_eq!(p.committable_seq(), Some(4));
-    p.returned_ok(next);
+    p.handle(ev::ReturnedOk(next), now);
     assert!(p.any_applied());
     assert_eq!(p.applied_through(), 5);
 }
@@ -281,12 +288,12 @@ fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores
     cfg.durable = true;
     let mut p = partition(cfg, 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    p.failed(orders[0], "flaky", now, 0.5);
-    p.returned_ok(orders[1]);
-    p.process_done(orders[1]);
-    p.effects_stored(orders[1]);
+    p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
+    p.handle(ev::ReturnedOk(orders[1]), now);
+    p.handle(ev::CallbacksDone(orders[1]), now);
+    p.handle(ev::EffectsStored(orders[1]), now);
     effects(&mut p);
-    assert_eq!(p.hand_back_backing_off(), 1);
+    assert_eq!(p.handle(ev::HandBackBackingOff, now), 1);
     match effects(&mut p).as_slice() {
         [Effect::HandBack { msg, interrupted: true }] => assert_eq!(msg.seq, 1),
         other => panic!("expected the first handed back, got {other:?}"),
@@ -301,10 +308,10 @@ fn without_stores_a_hand_back_blocks_no_commit() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    p.failed(orders[0], "flaky", now, 0.5);
-    p.process_done(orders[1]);
-    p.effects_stored(orders[1]);
-    p.hand_back_backing_off();
+    p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
+    p.handle(ev::CallbacksDone(orders[1]), now);
+    p.handle(ev::EffectsStored(orders[1]), now);
+    p.handle(ev::HandBackBackingOff, now);
     assert!(!p.commit_blocked_by_hand_back());
 }
 
@@ -314,14 +321,14 @@ fn unstarted_messages_are_handed_back_and_credited_and_their_claims_dropped() {
     let mut p = partition(config(Discipline::Ordered), 1);
     let orders = deliver_and_begin(&mut p, &[1, 2, 3], now);
     assert_eq!(orders.len(), 1);
-    p.hand_back_unstarted();
+    p.handle(ev::HandBackUnstarted, now);
     let out = effects(&mut p);
     assert_eq!(hand_backs(&out), vec![(2, true), (3, true)]);
     assert_eq!(credit(&out), 2);
-    p.process_done(orders[0]);
-    p.effects_stored(orders[0]);
+    p.handle(ev::CallbacksDone(orders[0]), now);
+    p.handle(ev::EffectsStored(orders[0]), now);
     let positions = p.readiness().committable().clone();
-    p.commit(positions);
+    p.handle(ev::Committed(positions), now);
     assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::Ack)], "the commit covers only the one that ran");
 }
 
@@ -330,7 +337,7 @@ fn release_all_hands_back_everything_in_order_and_abandon_nothing() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 2);
     deliver_and_begin(&mut p, &[1, 2, 3], now);
-    p.release_all(false);
+    p.handle(ev::ReleaseAll { interrupted: false }, now);
     assert_eq!(
         hand_backs(&effects(&mut p)),
         vec![(3, false), (1, false), (2, false)],
@@ -375,14 +382,14 @@ fn an_idle_partition_has_no_deadline_and_a_busy_one_only_those_it_needs() {
     assert_eq!(acks(&effects(&mut p)), vec![(1, AckKind::InProgress), (2, AckKind::InProgress)]);
     assert_eq!(p.poll_timeout(at), Some(now + Duration::from_secs(15)), "the check comes next");
     // One completes: a commit is due within the commit interval, not later.
-    p.process_done(orders[1]);
-    p.effects_stored(orders[1]);
-    p.process_done(orders[0]);
-    p.effects_stored(orders[0]);
+    p.handle(ev::CallbacksDone(orders[1]), now);
+    p.handle(ev::EffectsStored(orders[1]), now);
+    p.handle(ev::CallbacksDone(orders[0]), now);
+    p.handle(ev::EffectsStored(orders[0]), now);
     assert!(p.readiness().commit_pending(), "idle: the commit is requested at once");
     assert_eq!(p.next(at), Next::Commit);
     let positions = p.readiness().committable().clone();
-    p.commit(positions);
+    p.handle(ev::Committed(positions), now);
     effects(&mut p);
     // Nothing held, nothing uncommitted: the deadlines left run out without a tick more.
     let deadline = p.poll_timeout(at).expect("the check and keep-alive armed before");
@@ -397,8 +404,8 @@ fn completions_wait_at_most_the_commit_interval() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 2);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
-    p.process_done(orders[0]);
-    p.effects_stored(orders[0]);
+    p.handle(ev::CallbacksDone(orders[0]), now);
+    p.handle(ev::EffectsStored(orders[0]), now);
     assert!(!p.readiness().commit_pending(), "not idle, not a window: no commit yet");
     assert_eq!(p.poll_timeout(now), Some(now + Duration::from_secs(1)), "the commit interval");
     p.handle_timeout(now + Duration::from_secs(1));
@@ -419,11 +426,11 @@ fn a_callback_past_its_timeout_is_reported() {
 fn a_queue_marker_is_claimed_and_acked_by_the_commit() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 1);
-    p.arrive(EnvelopeKind::EndOfStream, Msg { seq: 9, delivered: 1 }, now);
+    p.handle(ev::Arrived { kind: EnvelopeKind::EndOfStream, msg: Msg { seq: 9, delivered: 1 } }, now);
     assert!(p.holds() || p.held_count() == 0);
     assert_eq!(p.next(now), Next::EndOfStream);
     let positions = p.readiness().committable().clone();
-    p.commit(positions);
+    p.handle(ev::Committed(positions), now);
     let out = effects(&mut p);
     assert_eq!(acks(&out), vec![(9, AckKind::Ack)]);
     assert_eq!(credit(&out), 1);
@@ -434,9 +441,9 @@ fn forgetting_what_is_no_longer_held_changes_nothing() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 2);
     let orders = deliver_and_begin(&mut p, &[1], now);
-    p.release_all(true);
+    p.handle(ev::ReleaseAll { interrupted: true }, now);
     effects(&mut p);
     // A park that finished after a stop's deadline handed the message back.
-    assert!(p.forget(orders[0]).is_none());
+    assert!(p.handle(ev::Forgotten(orders[0]), now).is_none());
     assert!(effects(&mut p).is_empty(), "no second credit for a message handed back already");
 }
