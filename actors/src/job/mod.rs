@@ -38,7 +38,7 @@ use crate::reaper::Reaper;
 use crate::retry::RetryPolicy;
 use crate::stream::{StreamDef, StreamKind, StreamType};
 use crate::task::{Task, TaskEnv};
-use crate::task_worker::{Binding, TaskWorker};
+use crate::task_worker::{Binding, Settings, TaskWorker};
 use crate::timer_service::{Promotion, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::{BrokerError, ConsumerSpec, SharedBroker};
@@ -122,7 +122,7 @@ pub enum JobError {
     NodeIdInvalid(String),
 }
 
-type Starter = Rc<dyn Fn(Rc<TaskEnv>, Binding, TaskConfig, SlotContext) -> WorkerHandle>;
+type Starter = Rc<dyn Fn(Rc<TaskEnv>, Binding, Settings, SlotContext) -> WorkerHandle>;
 
 struct TaskEntry {
     stream: &'static str,
@@ -131,7 +131,16 @@ struct TaskEntry {
     kind: StreamKind,
     type_name: &'static str,
     config: TaskConfig,
+    /// The settings its workers share, made once when the first starts (the builder
+    /// may change `config` until then).
+    settings: std::cell::OnceCell<Settings>,
     starter: Starter,
+}
+
+impl TaskEntry {
+    fn settings(&self) -> Settings {
+        self.settings.get_or_init(|| Settings::new(self.config.clone(), self.kind)).clone()
+    }
 }
 
 /// A job: its name and tasks. Per-task settings given before any `.task(...)` are
@@ -185,11 +194,11 @@ impl Job {
         let factory = Rc::new(factory);
         let stores: Rc<std::cell::RefCell<Vec<crate::store::StoreMaker>>> = Rc::default();
         let makers = stores.clone();
-        let starter: Starter = Rc::new(move |env: Rc<TaskEnv>, binding, config, sc: SlotContext| {
+        let starter: Starter = Rc::new(move |env: Rc<TaskEnv>, binding, settings, sc: SlotContext| {
             let task = factory(binding.partition);
             let set = crate::store::StoreSet::new(&makers.borrow(), env.codec)
                 .with_max_payload(env.broker.server().max_payload);
-            let worker = TaskWorker::new(task, env, binding, config, sc.container, sc.timers, sc.reaper)
+            let worker = TaskWorker::new(task, env, binding, settings, sc.container, sc.timers, sc.reaper)
                 .with_stores(set)
                 .start();
             WorkerHandle {
@@ -204,6 +213,7 @@ impl Job {
             kind: input.kind(),
             type_name: input.type_name(),
             config: self.defaults.clone(),
+            settings: std::cell::OnceCell::new(),
             starter,
         });
         self
@@ -653,7 +663,7 @@ fn slot(
 ) -> SlotSpec {
     let starter = t.starter.clone();
     let env = env.clone();
-    let config = t.config.clone();
+    let settings = t.settings();
     let (epoch, fence) = match lease {
         Some((epoch, fence)) => (epoch, Some(fence)),
         None => (0, None),
@@ -683,7 +693,7 @@ fn slot(
         paused: false,
         spawn: Box::new(move |sc| {
             let binding = Binding { slot: sc.slot, start: sc.start.clone(), ..binding.clone() };
-            starter(env.clone(), binding, config.clone(), sc)
+            starter(env.clone(), binding, settings.clone(), sc)
         }),
     }
 }

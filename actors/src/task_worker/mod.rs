@@ -94,6 +94,36 @@ pub const SUSPECTS: &str = "SUSPECTS";
 /// the drain timeout and this.
 pub const FINISH_BUDGET: Duration = Duration::from_secs(3);
 
+/// A task's settings as all its workers share them: one copy per task, not per
+/// partition (a node may hold thousands of idle partitions).
+#[derive(Debug, Clone)]
+pub struct Settings {
+    config: Rc<TaskConfig>,
+    rules: Arc<machine::Config>,
+}
+
+impl Settings {
+    /// The settings of a task consuming an input of `kind`.
+    pub fn new(config: TaskConfig, kind: StreamKind) -> Self {
+        let rules = machine::Config {
+            discipline: if matches!(kind, StreamKind::Ordered { .. }) {
+                Discipline::Ordered
+            } else {
+                Discipline::Queue
+            },
+            retry: config.retry,
+            unavailable_retries: config.unavailable_retries,
+            window: config.window,
+            timing: machine::Timing {
+                commit_interval: config.commit_interval,
+                ack_wait: config.ack_wait,
+                callback_timeout: config.callback_timeout,
+            },
+        };
+        Self { config: Rc::new(config), rules: Arc::new(rules) }
+    }
+}
+
 /// Where a worker's messages come from.
 #[derive(Debug, Clone)]
 pub struct Binding {
@@ -281,7 +311,7 @@ pub struct TaskWorker<T: Task> {
     part: Partition<Msg>,
     env: Rc<TaskEnv>,
     binding: Binding,
-    config: TaskConfig,
+    config: Rc<TaskConfig>,
     container: Recipient<WorkerReport>,
     timers: Addr<TimerService>,
     reaper: Addr<Reaper>,
@@ -348,34 +378,26 @@ impl<T: Task> TaskWorker<T> {
         task: T,
         env: Rc<TaskEnv>,
         binding: Binding,
-        config: TaskConfig,
+        settings: Settings,
         container: Recipient<WorkerReport>,
         timers: Addr<TimerService>,
         reaper: Addr<Reaper>,
     ) -> Self {
+        let config = settings.config;
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
         let intake = Intake::after(binding.start.as_ref().map(|s| s.delivered_consumer_seq));
         let suspects =
             binding.start.as_ref().and_then(|s| s.suspects_up_to).map(|up_to| Suspects::new(up_to, config.crash_limit));
         let metrics = TaskMetrics::new(binding.stream, binding.partition);
-        let rules = machine::Config {
-            discipline: binding.discipline(),
-            retry: config.retry,
-            unavailable_retries: config.unavailable_retries,
-            window: config.window,
-            durable: false,
-            blamed: binding.start.as_ref().map(|s| s.blamed.clone()).unwrap_or_default(),
-            timing: machine::Timing {
-                commit_interval: config.commit_interval,
-                ack_wait: config.ack_wait,
-                callback_timeout: config.callback_timeout,
-            },
-        };
+        let mut part = Partition::new(settings.rules, state, intake);
+        if let Some(start) = binding.start.as_ref().filter(|s| !s.blamed.is_empty()) {
+            part.set_blamed(start.blamed.clone());
+        }
         Self {
             metrics,
             commit_started: None,
             task: Some(Box::new(task)),
-            part: Partition::new(rules, state, intake),
+            part,
             env,
             binding,
             config,

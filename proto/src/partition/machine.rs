@@ -41,6 +41,7 @@ use super::readiness::{EnvelopeKind, Op, Pending, TaskState};
 use crate::backoff::{RetryPolicy, UNAVAILABLE};
 use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What the machine needs to know of a delivery the worker holds.
@@ -55,7 +56,8 @@ pub trait Delivered {
     fn token(&self) -> &Self::Token;
 }
 
-/// How the machine finishes messages.
+/// How the machine finishes messages: a task's settings, the same for all its
+/// partitions (each partition's machine shares them: an idle node may hold thousands).
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Ordered partition or queue input.
@@ -66,12 +68,6 @@ pub struct Config {
     pub unavailable_retries: u32,
     /// Completions per commit at most (ordered inputs).
     pub window: u32,
-    /// The task keeps stores: a message whose `process` returned has its changes
-    /// applied and can no longer be retried on its own.
-    pub durable: bool,
-    /// Messages (stream sequences) that forced restores of the partition before this
-    /// worker, and how many each: each counts as one of its attempts.
-    pub blamed: Vec<(u64, u32)>,
     /// The partition's clocks.
     pub timing: Timing,
 }
@@ -191,7 +187,13 @@ pub enum Next {
 /// One partition's (or one queue input's) messages on this worker.
 #[derive(Debug)]
 pub struct Partition<M: Delivered> {
-    config: Config,
+    config: Arc<Config>,
+    /// The task keeps stores: a message whose `process` returned has its changes
+    /// applied and can no longer be retried on its own.
+    durable: bool,
+    /// Messages (stream sequences) that forced restores of the partition before this
+    /// worker, and how many each: each counts as one of its attempts.
+    blamed: Vec<(u64, u32)>,
     state: TaskState<M>,
     intake: Intake,
     held: FxHashMap<u64, Held<M>>,
@@ -222,9 +224,11 @@ pub struct Partition<M: Delivered> {
 
 impl<M: Delivered> Partition<M> {
     /// A partition whose readiness is `state` and whose intake is `intake`.
-    pub fn new(config: Config, state: TaskState<M>, intake: Intake) -> Self {
+    pub fn new(config: Arc<Config>, state: TaskState<M>, intake: Intake) -> Self {
         Self {
             config,
+            durable: false,
+            blamed: Vec::new(),
             state,
             intake,
             held: FxHashMap::default(),
@@ -245,7 +249,14 @@ impl<M: Delivered> Partition<M> {
 
     /// The task keeps stores (set before the first message).
     pub fn set_durable(&mut self, durable: bool) {
-        self.config.durable = durable;
+        self.durable = durable;
+    }
+
+    /// The messages (stream sequences) that forced restores of the partition before
+    /// this worker, and how many each: each counts as one of its attempts (set before
+    /// the first message).
+    pub fn set_blamed(&mut self, blamed: Vec<(u64, u32)>) {
+        self.blamed = blamed;
     }
 
     /// The next effect to perform: dead letters and hand-backs in the order decided,
@@ -359,7 +370,7 @@ impl<M: Delivered> Partition<M> {
             );
             return None;
         }
-        if self.config.durable && seq <= self.applied_through {
+        if self.durable && seq <= self.applied_through {
             // The restored state reflects it already: it was processed, its outputs
             // stored and its changes committed; only its acknowledgement was lost.
             self.process_done(order);
@@ -371,7 +382,7 @@ impl<M: Delivered> Partition<M> {
 
     /// How many restores of the partition the message at `seq` forced before this worker.
     pub fn restores_forced_by(&self, seq: u64) -> u32 {
-        self.config.blamed.iter().find(|(at, _)| *at == seq).map_or(0, |(_, n)| *n)
+        self.blamed.iter().find(|(at, _)| *at == seq).map_or(0, |(_, n)| *n)
     }
 
     /// A routed message is ready for an attempt (its hand-backs counted, its suspect
@@ -458,7 +469,7 @@ impl<M: Delivered> Partition<M> {
     /// `process` returned `Ok`: with stores, its changes are applied.
     pub(crate) fn returned_ok(&mut self, order: u64) {
         if let Some(h) = self.held.get_mut(&order) {
-            h.applied = self.config.durable;
+            h.applied = self.durable;
             self.applied_through = self.applied_through.max(h.msg.stream_seq());
         }
     }
@@ -706,8 +717,7 @@ impl<M: Delivered> Partition<M> {
     /// handed back mid-retry (the next owner would apply them twice): then a stop
     /// commits nothing.
     pub fn commit_blocked_by_hand_back(&self) -> bool {
-        self.config.durable
-            && self.handed_back_mid_retry.is_some_and(|first| self.claims.range(first..).next().is_some())
+        self.durable && self.handed_back_mid_retry.is_some_and(|first| self.claims.range(first..).next().is_some())
     }
 
     /// Hands back everything held and not finished; `interrupted` when that is not

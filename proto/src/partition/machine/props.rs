@@ -106,15 +106,15 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
         unavailable_retries: 1,
         window: 3,
-        durable,
-        blamed: Vec::new(),
         timing: Timing {
             commit_interval: Duration::from_secs(1),
             ack_wait: Duration::from_secs(30),
             callback_timeout: None,
         },
     };
-    let mut p = Partition::new(config, TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
+    let mut p =
+        Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
+    p.set_durable(durable);
     let mut seen = Seen::default();
     let mut arrived = 0u64;
     let mut stopped = false;

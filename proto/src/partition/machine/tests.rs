@@ -28,8 +28,6 @@ fn config(discipline: Discipline) -> Config {
         retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
         unavailable_retries: 2,
         window: 4,
-        durable: false,
-        blamed: Vec::new(),
         timing: Timing {
             commit_interval: Duration::from_secs(1),
             ack_wait: Duration::from_secs(30),
@@ -39,7 +37,7 @@ fn config(discipline: Discipline) -> Config {
 }
 
 fn partition(config: Config, max_concurrency: usize) -> Partition<Msg> {
-    Partition::new(config, TaskState::new([0], max_concurrency, false, "run"), Intake::after(None))
+    Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None))
 }
 
 fn effects(p: &mut Partition<Msg>) -> Vec<Effect<Msg>> {
@@ -248,9 +246,8 @@ fn a_message_whose_outputs_were_refused_counts_in_flight_again() {
 #[test]
 fn restores_forced_before_count_as_attempts_and_can_spend_them() {
     let now = Instant::now();
-    let mut cfg = config(Discipline::Ordered);
-    cfg.blamed = vec![(7, 1), (8, 3)];
-    let mut p = partition(cfg, 4);
+    let mut p = partition(config(Discipline::Ordered), 4);
+    p.set_blamed(vec![(7, 1), (8, 3)]);
     p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 7, delivered: 1 } }, now);
     p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 8, delivered: 1 } }, now);
     let Next::Begin(first) = p.next(now) else { panic!("the first begins") };
@@ -265,9 +262,8 @@ fn restores_forced_before_count_as_attempts_and_can_spend_them() {
 #[test]
 fn with_stores_an_input_the_restored_state_reflects_is_finished_without_running() {
     let now = Instant::now();
-    let mut cfg = config(Discipline::Ordered);
-    cfg.durable = true;
-    let mut p = partition(cfg, 4);
+    let mut p = partition(config(Discipline::Ordered), 4);
+    p.set_durable(true);
     p.handle(ev::Restored(4), now);
     // The input the restore reflects comes again (its ack was lost): skipped, yet
     // committable in order.
@@ -284,9 +280,8 @@ fn with_stores_an_input_the_restored_state_reflects_is_finished_without_running(
 #[test]
 fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores() {
     let now = Instant::now();
-    let mut cfg = config(Discipline::Ordered);
-    cfg.durable = true;
-    let mut p = partition(cfg, 2);
+    let mut p = partition(config(Discipline::Ordered), 2);
+    p.set_durable(true);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
     p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
     p.handle(ev::ReturnedOk(orders[1]), now);
