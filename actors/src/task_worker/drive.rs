@@ -81,19 +81,18 @@ impl<T: Task> TaskWorker<T> {
         }
     }
 
-    /// A message begins here: a parked key's is set aside, a queue message delivered
-    /// before has its hand-backs counted and a suspect its start, before its attempt.
+    /// A message begins here: what comes before its attempt is the machine's
+    /// [`Partition::route`] (a parked key's is set aside, a queue message delivered
+    /// before has its hand-backs counted, a suspect its start).
     fn route(&mut self, order: u64, ctx: &mut Context<Self>) {
         let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
-        let (seq, delivered) = (d.info.stream_seq, d.info.delivered);
-        if !self.binding.ordered() && self.key_parked(order) {
-            self.park(order, ctx);
-        } else if !self.binding.ordered() && delivered > 1 {
-            self.count_releases(order, seq, delivered, ctx);
-        } else if self.suspects.as_ref().is_some_and(|s| s.covers(seq)) {
-            self.count_suspect(order, seq, ctx);
-        } else {
-            self.start_attempt(order, ctx);
+        let seq = d.info.stream_seq;
+        let parked = !self.binding.ordered() && self.key_parked(order);
+        match self.part.route(order, parked) {
+            Route::Park => self.park(order, ctx),
+            Route::CountReleases => self.count_releases(order, seq, ctx),
+            Route::CountSuspect => self.count_suspect(order, seq, ctx),
+            Route::Start => self.start_attempt(order, ctx),
         }
     }
 
@@ -169,22 +168,19 @@ impl<T: Task> TaskWorker<T> {
     /// hand-backs counted for it (interrupted is not failed). One whose attempts are
     /// spent — its earlier ones ended without a verdict, as when the node running it
     /// died or hung — is dead-lettered without running again.
-    pub(super) fn count_releases(&mut self, order: u64, seq: u64, delivered: u64, ctx: &mut Context<Self>) {
+    pub(super) fn count_releases(&mut self, order: u64, seq: u64, ctx: &mut Context<Self>) {
         let broker = self.env.broker.clone();
         let bucket = self.env.subjects.bucket_name(RELEASED);
         let key = released::key(self.binding.stream, seq);
         let fut = async move { released::count(&broker, &bucket, &key).await };
         ctx.spawn(fut.into_actor(self).map(move |count, act, ctx| {
-            let max = act.config.retry.max_attempts;
-            let (released, known) = match count {
-                Ok(n) => (n, true),
+            let released = match count {
+                Ok(n) => Some(n),
                 Err(e) => {
                     debug!(stream = act.binding.stream, seq, error = %e, "hand-backs not read: running it on its last attempt");
-                    (0, false)
+                    None
                 }
             };
-            // Unknown hand-backs: run it (as its last attempt at most), never dead-letter it unread.
-            let attempt = if known { released::attempt(delivered, released) } else { released::attempt(delivered, 0).min(max) };
             if act.stopping {
                 // A stop came while the count was read: hand it back unstarted.
                 if let Some(held) = act.part.handle(ev::Forgotten(order), now()) {
@@ -193,21 +189,7 @@ impl<T: Task> TaskWorker<T> {
                 act.drive(ctx);
                 return;
             }
-            if !act.part.handle(ev::AttemptCounted { order, attempt }, now()) {
-                return;
-            }
-            if attempt > max {
-                act.part.handle(ev::Poison {
-                    order,
-                    reason: "max-attempts",
-                    detail: format!(
-                        "delivered {delivered} times, {released} of them handed back unfinished (not counted): its {} attempts ended without a verdict, as when the node running it dies or hangs",
-                        attempt - 1
-                    ),
-                }, now());
-            } else {
-                act.part.handle(ev::Ready(order), now());
-            }
+            act.part.handle(ev::ReleasesCounted { order, released }, now());
             act.drive(ctx);
         }));
     }

@@ -73,7 +73,9 @@ use crate::trace::TraceContext;
 use actix::prelude::*;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
-use flotilla_proto::partition::machine::{self, Delivered, Effect, Finished, Held, Next, Partition, event as ev};
+use flotilla_proto::partition::machine::{
+    self, Delivered, Effect, Finished, Held, Next, Partition, Route, event as ev,
+};
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
@@ -317,8 +319,6 @@ pub struct TaskWorker<T: Task> {
     reaper: Addr<Reaper>,
     /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
     resync: Option<String>,
-    /// Ordered inputs after a take-over that found unfinished work: the suspects.
-    suspects: Option<Suspects>,
     /// The suspect this worker runs, with the node's suspect lane until its finish is
     /// stored or it outlived [`SUSPECT_WINDOW`](flotilla_proto::partition::intake::SUSPECT_WINDOW) (the permit then
     /// `None`: it runs on, no longer counted).
@@ -393,6 +393,7 @@ impl<T: Task> TaskWorker<T> {
         if let Some(start) = binding.start.as_ref().filter(|s| !s.blamed.is_empty()) {
             part.set_blamed(start.blamed.clone());
         }
+        part.set_suspects(suspects);
         Self {
             metrics,
             commit_started: None,
@@ -405,7 +406,6 @@ impl<T: Task> TaskWorker<T> {
             timers,
             reaper,
             resync: None,
-            suspects,
             lane: None,
             releases: Vec::new(),
             due_timers: Vec::new(),

@@ -2,8 +2,9 @@
 //! queue message handed back (a stop, a drain deadline, a back-off cut short) comes
 //! again as one more delivery. So before handing one back the worker counts the
 //! release in the job's `RELEASED` bucket (key `<stream>.<seq>`), and a redelivered
-//! message's attempt is its deliveries less its releases. The count is written before
-//! the nak, so whoever gets the message next reads it.
+//! message's attempt is its deliveries less its releases (the machine's rule,
+//! [`attempt_after_releases`](flotilla_proto::partition::machine::attempt_after_releases)).
+//! The count is written before the nak, so whoever gets the message next reads it.
 
 use flotilla_transport::broker::{BrokerError, SharedBroker};
 
@@ -19,11 +20,6 @@ pub const RELEASED_TTL: std::time::Duration = std::time::Duration::from_secs(7 *
 /// The key of the message at `seq` of queue input `stream`.
 pub(crate) fn key(stream: &str, seq: u64) -> String {
     format!("{stream}.{seq}")
-}
-
-/// The attempt of a delivery: its deliveries less the releases that were not attempts.
-pub(crate) fn attempt(delivered: u64, released: u64) -> u32 {
-    delivered.saturating_sub(released).max(1).min(u64::from(u32::MAX)) as u32
 }
 
 /// Adds one release to the count at `key`.
@@ -50,14 +46,6 @@ pub(crate) async fn count(broker: &SharedBroker, bucket: &str, key: &str) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn releases_are_not_attempts() {
-        assert_eq!(attempt(1, 0), 1);
-        assert_eq!(attempt(3, 2), 1, "two hand-backs and this delivery: the first attempt");
-        assert_eq!(attempt(4, 1), 3);
-        assert_eq!(attempt(2, 5), 1, "never below 1");
-    }
 
     #[actix_rt::test]
     async fn counts_add_up_and_a_missing_bucket_counts_none() {

@@ -21,7 +21,7 @@ impl<T: Task> TaskWorker<T> {
     /// stored it starts uncounted: the count is a safety net, and a wedged partition
     /// would be worse.
     pub(super) fn count_suspect(&mut self, order: u64, seq: u64, ctx: &mut Context<Self>) {
-        let Some(suspects) = self.suspects else { return };
+        let Some(suspects) = self.part.suspects() else { return };
         let lane = self.env.suspect_lane.clone();
         let change = self.change_suspects();
         let committed = self.part.committed();
@@ -36,27 +36,21 @@ impl<T: Task> TaskWorker<T> {
         };
         ctx.spawn(fut.into_actor(self).map(move |(verdict, permit), act, ctx| {
             act.lane = permit.map(|p| (seq, Some(p)));
-            match verdict {
+            let quarantined = match verdict {
                 Ok(None) => {
-                    act.part.handle(ev::Ready(order), now());
                     ctx.run_later(SUSPECT_WINDOW, move |act, ctx| act.suspect_outlived(seq, ctx));
+                    None
                 }
                 Ok(Some(starts)) => {
-                    let limit = act.config.crash_limit;
                     debug!(stream = act.binding.stream, partition = act.binding.partition, seq, starts, "message ended its owner every time it ran: dead-lettering it");
-                    act.part.handle(ev::Poison {
-                        order,
-                        reason: "crash-loop",
-                        detail: format!(
-                            "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
-                        ),
-                    }, now());
+                    Some(starts)
                 }
                 Err(e) => {
                     warn!(stream = act.binding.stream, partition = act.binding.partition, seq, error = %e, "could not count a suspect message; running it uncounted");
-                    act.part.handle(ev::Ready(order), now());
+                    None
                 }
-            }
+            };
+            act.part.handle(ev::SuspectJudged { order, quarantined }, now());
             act.drive(ctx);
         }));
     }
@@ -68,7 +62,7 @@ impl<T: Task> TaskWorker<T> {
     /// when the window would be over. A take-back that cannot be stored keeps the lane
     /// and is tried again a window later.
     fn suspect_outlived(&mut self, seq: u64, ctx: &mut Context<Self>) {
-        let (Some(suspects), Some((running, Some(_)))) = (self.suspects, &self.lane) else { return };
+        let (Some(suspects), Some((running, Some(_)))) = (self.part.suspects(), &self.lane) else { return };
         if *running != seq {
             return;
         }
@@ -105,7 +99,7 @@ impl<T: Task> TaskWorker<T> {
     /// failed the task). A suspect still counted needs nothing (its start stays in the
     /// record); one that outlived its window is counted again.
     pub(super) fn suspect_ended_owner(&mut self, order: u64) {
-        let Some(suspects) = self.suspects else { return };
+        let Some(suspects) = self.part.suspects() else { return };
         let Some(seq) = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq) else { return };
         if !matches!(&self.lane, Some((running, None)) if *running == seq) {
             return;
@@ -123,7 +117,7 @@ impl<T: Task> TaskWorker<T> {
     /// The suspect at `seq` finished: store that (it leaves the record), then free the
     /// node's suspect lane for the next.
     pub(super) fn suspect_finished(&mut self, seq: u64) {
-        let (Some(suspects), Some((running, _))) = (self.suspects, &self.lane) else { return };
+        let (Some(suspects), Some((running, _))) = (self.part.suspects(), &self.lane) else { return };
         if *running != seq {
             return;
         }

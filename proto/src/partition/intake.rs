@@ -277,6 +277,11 @@ impl Suspects {
         Self { up_to, limit: limit.max(1) }
     }
 
+    /// Starts without finishing after which a message is quarantined.
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
     /// Whether the message at `seq` is a suspect.
     pub fn covers(&self, seq: u64) -> bool {
         seq <= self.up_to

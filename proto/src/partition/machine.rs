@@ -36,7 +36,7 @@
 //!   and calls [`Partition::handle_timeout`] when it comes.
 
 use super::AckKind;
-use super::intake::{AfterFailure, Discipline, Intake, commit_due, progress_due};
+use super::intake::{AfterFailure, Discipline, Intake, Suspects, commit_due, progress_due};
 use super::readiness::{EnvelopeKind, Op, Pending, TaskState};
 use crate::backoff::{RetryPolicy, UNAVAILABLE};
 use rustc_hash::FxHashMap;
@@ -165,8 +165,9 @@ pub enum Effect<M: Delivered> {
 /// What the worker runs next ([`Partition::next`]).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Next {
-    /// A message to begin: it is held now, in its first attempt here. The worker
-    /// routes it (parked key, hand-backs to count, suspect) or starts it.
+    /// A message to begin: it is held now, in its first attempt here. The worker asks
+    /// [`Partition::route`] what comes first (parked key, hand-backs to count,
+    /// suspect) or starts it.
     Begin(u64),
     /// A held message's next attempt is due: start it.
     Retry(u64),
@@ -194,6 +195,9 @@ pub struct Partition<M: Delivered> {
     /// Messages (stream sequences) that forced restores of the partition before this
     /// worker, and how many each: each counts as one of its attempts.
     blamed: Vec<(u64, u32)>,
+    /// After a take-over that found the previous owner's work unfinished: the messages
+    /// it left (ordered inputs).
+    suspects: Option<Suspects>,
     state: TaskState<M>,
     intake: Intake,
     held: FxHashMap<u64, Held<M>>,
@@ -229,6 +233,7 @@ impl<M: Delivered> Partition<M> {
             config,
             durable: false,
             blamed: Vec::new(),
+            suspects: None,
             state,
             intake,
             held: FxHashMap::default(),
@@ -257,6 +262,16 @@ impl<M: Delivered> Partition<M> {
     /// the first message).
     pub fn set_blamed(&mut self, blamed: Vec<(u64, u32)>) {
         self.blamed = blamed;
+    }
+
+    /// The messages the previous owner left unfinished (set before the first message).
+    pub fn set_suspects(&mut self, suspects: Option<Suspects>) {
+        self.suspects = suspects;
+    }
+
+    /// The messages the previous owner left unfinished, if it left any.
+    pub fn suspects(&self) -> Option<Suspects> {
+        self.suspects
     }
 
     /// The next effect to perform: dead letters and hand-backs in the order decided,
@@ -747,9 +762,11 @@ impl<M: Delivered> Partition<M> {
 }
 
 pub mod event;
+mod route;
 mod time;
 
 pub use event::Event;
+pub use route::{Route, attempt_after_releases};
 pub use time::{DEAD_LETTER_RETRY, Timing};
 
 #[cfg(test)]

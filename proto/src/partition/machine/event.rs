@@ -9,13 +9,14 @@
 //! stored answers what finished) and so that the hot path builds nothing it does not
 //! use.
 
+pub use super::route::{ReleasesCounted, SuspectJudged};
 use super::{Delivered, Finished, Held, Partition};
 use crate::partition::intake::{Admission, AfterFailure};
 use crate::partition::readiness::EnvelopeKind;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-mod sealed {
+pub(super) mod sealed {
     pub trait Sealed {}
 }
 

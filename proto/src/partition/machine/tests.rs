@@ -22,7 +22,7 @@ impl Delivered for Msg {
     }
 }
 
-fn config(discipline: Discipline) -> Config {
+pub(super) fn config(discipline: Discipline) -> Config {
     Config {
         discipline,
         retry: RetryPolicy { max_attempts: 3, ..RetryPolicy::default() },
@@ -36,7 +36,7 @@ fn config(discipline: Discipline) -> Config {
     }
 }
 
-fn partition(config: Config, max_concurrency: usize) -> Partition<Msg> {
+pub(super) fn partition(config: Config, max_concurrency: usize) -> Partition<Msg> {
     Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None))
 }
 
