@@ -9,20 +9,10 @@ impl<T: Task> TaskWorker<T> {
     /// before, so that a hook run again at the same position after a crash (on the
     /// same state, restored) sends outputs with the same ids, which the broker drops.
     pub(super) fn hook_cause(&mut self, kind: HookKind) -> Option<MessageId> {
-        // Only with stores: the restored state makes a hook at the same position the
-        // same hook. Without, a restarted worker's hooks would reuse ids of outputs
-        // that said something else, and the broker would drop them.
-        self.durable.as_ref()?;
+        // Only with stores (the machine numbers hooks only then): the restored state
+        // makes a hook at the same position the same hook.
         let partition = self.binding.partition?;
-        let position = self.part.applied_through();
-        let n = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
-        // `init` runs after every restore, where the run before the restore ran none:
-        // numbered like the others, it would shift every later hook at this position
-        // by one, and a window run again on the same state would store its outputs
-        // again under new ids. It takes a number only once it changed state (hook_done).
-        if kind != HookKind::Init {
-            self.hook_at = (position, n + 1);
-        }
+        let (position, n) = self.part.handle(ev::HookStarted { init: kind == HookKind::Init }, now())?;
         let base =
             MessageId::from_wire(format!("hook/{}/{partition}/{}/{position}", self.binding.stream, kind.label()));
         Some(base.derive_output(n))
@@ -30,7 +20,7 @@ impl<T: Task> TaskWorker<T> {
 
     pub(super) fn apply_requests(&mut self, tctx: &mut TaskContext) {
         if tctx.requests.commit {
-            self.part.handle(ev::CommitWanted, now());
+            self.part.handle(ev::CommitRequested, now());
         }
         if let Some(scope) = tctx.requests.shutdown {
             self.report(WorkerReport::ShutdownRequested { slot: self.binding.slot, scope });
@@ -116,11 +106,8 @@ impl<T: Task> TaskWorker<T> {
     pub(super) fn hook_done(&mut self, kind: HookKind, ctx: &mut Context<Self>) {
         match kind {
             HookKind::Init => {
-                if self.hook_at.0 == self.part.applied_through()
-                    && self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes())
-                {
-                    self.hook_at.1 += 1;
-                }
+                let changed_state = self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes());
+                self.part.handle(ev::InitRan { changed_state }, now());
                 self.commit_hook_changes();
             }
             HookKind::Window => {
@@ -136,8 +123,8 @@ impl<T: Task> TaskWorker<T> {
                 return;
             }
             HookKind::Drain | HookKind::EndOfStream => {
-                let outcome = if kind == HookKind::Drain { Outcome::Drained } else { Outcome::EndOfStream };
-                self.commit_then(AfterCommit::Finish(outcome), ctx);
+                let then = if kind == HookKind::Drain { AfterCommit::Drained } else { AfterCommit::EndOfStream };
+                self.commit_then(then, ctx);
                 return;
             }
             HookKind::Shutdown => {

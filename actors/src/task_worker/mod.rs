@@ -74,7 +74,7 @@ use actix::prelude::*;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
 use flotilla_proto::partition::machine::{
-    self, Delivered, Effect, Finished, Held, Next, Partition, Route, event as ev,
+    self, AfterCommit, CommitPlan, Delivered, Effect, Finished, Held, Next, Partition, Route, event as ev,
 };
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
@@ -272,26 +272,12 @@ enum Call<I> {
     Timer(String),
 }
 
-/// What follows a commit whose state flush is on its way.
-enum AfterCommit {
-    /// Go on processing.
-    Drive,
-    /// Hand back what has not started and end with this outcome (drain, end of stream).
-    Finish(Outcome),
-    /// Run the `shutdown` hook (a graceful stop).
-    Shutdown,
-}
-
 /// A partition's durable state: its stores, and their changelog once restored.
 struct Durable {
     stores: Rc<RefCell<crate::store::StoreSet>>,
     changelog: Option<changelog::Changelog>,
     /// Restore failures in a row.
     restore_failures: u32,
-    /// A flush is being written.
-    persisting: bool,
-    /// A commit waits for messages whose changes are applied to finish.
-    waiting: Option<AfterCommit>,
 }
 
 /// Which hook a non-process operation runs.
@@ -341,9 +327,6 @@ pub struct TaskWorker<T: Task> {
     flushes_in_flight: usize,
     /// Tasks with stores (ordered inputs).
     durable: Option<Durable>,
-    /// Ordered hooks derive their outputs' ids from the input position they ran at
-    /// and how many hooks ran there before.
-    hook_at: (u64, u32),
     /// What this task's work is measured by.
     metrics: TaskMetrics,
     /// When the commit under way began, and its span.
@@ -419,7 +402,6 @@ impl<T: Task> TaskWorker<T> {
             tick_at: None,
             flushes_in_flight: 0,
             durable: None,
-            hook_at: (0, 0),
         }
     }
 
@@ -428,13 +410,8 @@ impl<T: Task> TaskWorker<T> {
     pub fn with_stores(mut self, stores: crate::store::StoreSet) -> Self {
         if !stores.is_empty() && self.binding.ordered() {
             self.part.set_durable(true);
-            self.durable = Some(Durable {
-                stores: Rc::new(RefCell::new(stores)),
-                changelog: None,
-                restore_failures: 0,
-                persisting: false,
-                waiting: None,
-            });
+            self.durable =
+                Some(Durable { stores: Rc::new(RefCell::new(stores)), changelog: None, restore_failures: 0 });
         }
         self
     }

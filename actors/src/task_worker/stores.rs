@@ -99,8 +99,7 @@ impl<T: Task> TaskWorker<T> {
         let (position, hooks) = (restored.changelog.commit.position, restored.changelog.commit.hooks);
         d.changelog = Some(restored.changelog);
         d.restore_failures = 0;
-        self.part.handle(ev::Restored(position), now());
-        self.hook_at = (position, hooks);
+        self.part.handle(ev::Restored { position, hooks }, now());
         self.metrics.restored(restored.keys.len() as u64, started.elapsed());
         emit(
             &self.env.broker,
@@ -118,11 +117,12 @@ impl<T: Task> TaskWorker<T> {
         self.drive(ctx);
     }
 
-    /// Commits, then does `then`. With stores, the commit first writes what changed to
-    /// the changelog (records, then the commit record) and acknowledges the inputs only
-    /// once that is stored; it first waits for messages whose changes are applied but
-    /// whose outputs are not stored yet, so the state it writes is that of exactly the
-    /// inputs it acknowledges.
+    /// Commits, then does `then`, in the order the machine plans ([`CommitPlan`]). With
+    /// stores, the commit first writes what changed to the changelog (records, then
+    /// the commit record) and acknowledges the inputs only once that is stored; it
+    /// first waits for messages whose changes are applied but whose outputs are not
+    /// stored yet, so the state it writes is that of exactly the inputs it
+    /// acknowledges.
     pub(super) fn commit_then(&mut self, then: AfterCommit, ctx: &mut Context<Self>) {
         if self.commit_started.is_none() {
             let span = tracing::debug_span!(
@@ -133,23 +133,22 @@ impl<T: Task> TaskWorker<T> {
             );
             self.commit_started = Some((Instant::now(), span));
         }
-        let Some(d) = &mut self.durable else {
-            let positions = self.part.readiness().committable().clone();
-            self.commit_positions(positions);
-            self.after_commit(then, ctx);
-            return;
-        };
-        if self.part.any_applied() {
-            d.waiting = Some(then);
-            return;
+        match self.part.handle(ev::CommitStarts(then), now()) {
+            CommitPlan::Ack(positions, then) => {
+                self.commit_positions(positions);
+                self.after_commit(then, ctx);
+            }
+            CommitPlan::Nothing(then) => self.after_commit(then, ctx),
+            CommitPlan::Wait => {}
+            CommitPlan::Flush { position, hooks, moved } => self.write_state(position, hooks, moved, ctx),
         }
-        let Some(log) = &d.changelog else {
-            // Not restored: nothing was processed, nothing to commit.
-            self.after_commit(then, ctx);
-            return;
-        };
-        let positions = self.part.readiness().committable().clone();
-        let position = self.part.committable_seq().unwrap_or(0).max(log.commit.position);
+    }
+
+    /// Writes what changed in the stores with a commit record at `position` (counting
+    /// `hooks` hooks run there), then acknowledges ([`state_stored`](Self::state_stored)).
+    fn write_state(&mut self, position: u64, hooks: u32, moved: bool, ctx: &mut Context<Self>) {
+        let Some(d) = &self.durable else { return };
+        let Some(log) = &d.changelog else { return };
         let codec = *d.stores.borrow().codec();
         let mut changes = Vec::new();
         let mut failed = None;
@@ -161,34 +160,30 @@ impl<T: Task> TaskWorker<T> {
         }
         let flush = match failed {
             Some(e) => Err(e),
-            None if changes.is_empty() && position == log.commit.position => {
-                self.commit_positions(positions);
-                self.after_commit(then, ctx);
+            None if changes.is_empty() && !moved => {
+                self.state_stored(ctx);
                 return;
             }
-            None => {
-                // Hooks that ran at this position are in the state written.
-                let hooks = if self.hook_at.0 == position { self.hook_at.1 } else { 0 };
-                changelog::build_flush(log, changes, position, hooks, self.binding.epoch)
-            }
+            None => changelog::build_flush(log, changes, position, hooks, self.binding.epoch),
         };
         match flush {
-            Ok(flush) => {
-                d.persisting = true;
-                self.persist(Arc::new(flush), positions, then, 0, ctx);
+            Ok(flush) => self.persist(Arc::new(flush), 0, ctx),
+            Err(e) => {
+                self.part.handle(ev::StateRefused, now());
+                self.fail(format!("state not stored: {e}"), ctx);
             }
-            Err(e) => self.fail(format!("state not stored: {e}"), ctx),
         }
     }
 
-    pub(super) fn persist(
-        &mut self,
-        flush: Arc<changelog::Flush>,
-        positions: BTreeMap<u32, u64>,
-        then: AfterCommit,
-        attempt: u32,
-        ctx: &mut Context<Self>,
-    ) {
+    /// The commit's state is stored: acknowledge what it covers, then go on.
+    fn state_stored(&mut self, ctx: &mut Context<Self>) {
+        if let Some((positions, then)) = self.part.handle(ev::StateStored, now()) {
+            self.commit_positions(positions);
+            self.after_commit(then, ctx);
+        }
+    }
+
+    pub(super) fn persist(&mut self, flush: Arc<changelog::Flush>, attempt: u32, ctx: &mut Context<Self>) {
         if self.finished {
             return;
         }
@@ -221,22 +216,18 @@ impl<T: Task> TaskWorker<T> {
                         log.commit = flush.commit.clone();
                         log.commit_revision = persisted.commit_revision;
                     }
-                    d.persisting = false;
                     crate::failpoint::hit(crate::failpoint::Point::StateCommittedBeforeAck);
-                    act.commit_positions(positions);
-                    act.after_commit(then, ctx);
+                    act.state_stored(ctx);
                 }
                 Err(changelog::StateError::Broker(e))
                     if e.class() == ErrorClass::Transient && attempt < act.config.unavailable_retries =>
                 {
                     let delay = unavailable_backoff(attempt + 1);
                     warn!(stream = act.binding.stream, partition = act.binding.partition, error = %e, ?delay, "state not stored; writing it again");
-                    ctx.run_later(delay, move |act, ctx| act.persist(flush, positions, then, attempt + 1, ctx));
+                    ctx.run_later(delay, move |act, ctx| act.persist(flush, attempt + 1, ctx));
                 }
                 Err(changelog::StateError::Conflict(e)) => {
-                    if let Some(d) = &mut act.durable {
-                        d.persisting = false;
-                    }
+                    act.part.handle(ev::StateRefused, now());
                     if act.binding.fenced() {
                         act.abort_fenced(ctx);
                     } else {
@@ -244,9 +235,7 @@ impl<T: Task> TaskWorker<T> {
                     }
                 }
                 Err(e) => {
-                    if let Some(d) = &mut act.durable {
-                        d.persisting = false;
-                    }
+                    act.part.handle(ev::StateRefused, now());
                     act.fail(format!("state not stored: {e}; the partition restarts from its last commit"), ctx);
                 }
             }
@@ -301,8 +290,9 @@ impl<T: Task> TaskWorker<T> {
         }
         match then {
             AfterCommit::Drive => self.drive(ctx),
-            AfterCommit::Finish(outcome) => {
+            AfterCommit::Drained | AfterCommit::EndOfStream => {
                 self.part.handle(ev::HandBackUnstarted, now());
+                let outcome = if then == AfterCommit::Drained { Outcome::Drained } else { Outcome::EndOfStream };
                 self.finish(outcome, ctx);
             }
             AfterCommit::Shutdown => self.run_hook(Hook::Shutdown, ctx),
@@ -313,21 +303,18 @@ impl<T: Task> TaskWorker<T> {
     /// (its outputs are out; what they report must not be reported again).
     pub(super) fn commit_hook_changes(&mut self) {
         if self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()) {
-            self.part.handle(ev::CommitWanted, now());
+            self.part.handle(ev::CommitRequested, now());
         }
     }
 
     /// Whether a commit of a task with stores is on its way.
     pub(super) fn state_busy(&self) -> bool {
-        self.durable.as_ref().is_some_and(|d| d.persisting || d.waiting.is_some())
+        self.part.commit_in_progress()
     }
 
     /// A commit that waited for applied messages goes on once none is left.
     pub(super) fn resume_waiting_commit(&mut self, ctx: &mut Context<Self>) {
-        if self.part.any_applied() {
-            return;
-        }
-        if let Some(then) = self.durable.as_mut().and_then(|d| d.waiting.take()) {
+        if let Some(then) = self.part.resume_commit() {
             self.commit_then(then, ctx);
         }
     }

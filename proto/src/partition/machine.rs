@@ -198,6 +198,8 @@ pub struct Partition<M: Delivered> {
     /// After a take-over that found the previous owner's work unfinished: the messages
     /// it left (ordered inputs).
     suspects: Option<Suspects>,
+    /// Tasks with stores: where their state and its commit stand.
+    stores: commit::Stores,
     state: TaskState<M>,
     intake: Intake,
     held: FxHashMap<u64, Held<M>>,
@@ -234,6 +236,7 @@ impl<M: Delivered> Partition<M> {
             durable: false,
             blamed: Vec::new(),
             suspects: None,
+            stores: commit::Stores::default(),
             state,
             intake,
             held: FxHashMap::default(),
@@ -487,12 +490,6 @@ impl<M: Delivered> Partition<M> {
             h.applied = self.durable;
             self.applied_through = self.applied_through.max(h.msg.stream_seq());
         }
-    }
-
-    /// The stores were restored to the commit at stream sequence `position`: inputs up
-    /// to it are reflected in the state already.
-    pub(crate) fn restored_to(&mut self, position: u64) {
-        self.applied_through = position;
     }
 
     /// Inputs up to this stream sequence are applied to the stores (hooks derive their
@@ -761,10 +758,12 @@ impl<M: Delivered> Partition<M> {
     }
 }
 
+mod commit;
 pub mod event;
 mod route;
 mod time;
 
+pub use commit::{AfterCommit, CommitPlan};
 pub use event::Event;
 pub use route::{Route, attempt_after_releases};
 pub use time::{DEAD_LETTER_RETRY, Timing};

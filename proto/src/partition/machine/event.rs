@@ -9,6 +9,7 @@
 //! stored answers what finished) and so that the hot path builds nothing it does not
 //! use.
 
+pub use super::commit::{CommitStarts, HookStarted, InitRan, Restored, StateRefused, StateStored};
 pub use super::route::{ReleasesCounted, SuspectJudged};
 use super::{Delivered, Finished, Held, Partition};
 use crate::partition::intake::{Admission, AfterFailure};
@@ -158,10 +159,6 @@ pub struct Forgotten(pub u64);
 #[derive(Debug)]
 pub struct Committed(pub BTreeMap<u32, u64>);
 
-/// The stores were restored to the commit at this stream sequence.
-#[derive(Debug)]
-pub struct Restored(pub u64);
-
 /// A drain or the end of the stream: hand back what was claimed and never started.
 #[derive(Debug)]
 pub struct HandBackUnstarted;
@@ -204,7 +201,7 @@ pub struct TimersDue;
 
 /// Something asks for a commit now (a hook, a flush).
 #[derive(Debug)]
-pub struct CommitWanted;
+pub struct CommitRequested;
 
 /// `window` finished.
 #[derive(Debug)]
@@ -276,7 +273,6 @@ events! {
     EffectsStored => Option<Finished>, |p, e, now| p.effects_stored(e.0);
     Forgotten => Option<Held<M>>, |p, e, now| p.forget(e.0);
     Committed => usize, |p, e, now| p.commit(e.0);
-    Restored => (), |p, e, now| p.restored_to(e.0);
     HandBackUnstarted => (), |p, e, now| p.hand_back_unstarted();
     HandBackBackingOff => usize, |p, e, now| p.hand_back_backing_off();
     ReleaseAll => (), |p, e, now| p.release_all(e.interrupted);
@@ -286,7 +282,7 @@ events! {
     Stepped => bool, |p, e, now| p.state.step();
     WindowDue => (), |p, e, now| p.state.request_window();
     TimersDue => (), |p, e, now| p.state.request_timer();
-    CommitWanted => (), |p, e, now| p.state.request_commit();
+    CommitRequested => (), |p, e, now| p.state.request_commit();
     WindowRan => (), |p, e, now| p.state.window_done();
     TimersRan => (), |p, e, now| p.state.timer_done();
     TaskFailed => (), |p, e, now| p.state.fail(e.0);

@@ -214,7 +214,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                 p.handle(ev::Committed(positions), now);
             }
             _ => {
-                p.handle(ev::CommitWanted, now);
+                p.handle(ev::CommitRequested, now);
                 if p.next(now) == Next::Commit {
                     let positions = p.readiness().committable().clone();
                     p.handle(ev::Committed(positions), now);

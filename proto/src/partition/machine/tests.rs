@@ -40,12 +40,12 @@ pub(super) fn partition(config: Config, max_concurrency: usize) -> Partition<Msg
     Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None))
 }
 
-fn effects(p: &mut Partition<Msg>) -> Vec<Effect<Msg>> {
+pub(super) fn effects(p: &mut Partition<Msg>) -> Vec<Effect<Msg>> {
     std::iter::from_fn(|| p.poll_effect()).collect()
 }
 
 /// Acks among `effects`, as (token, kind).
-fn acks(effects: &[Effect<Msg>]) -> Vec<(u64, AckKind)> {
+pub(super) fn acks(effects: &[Effect<Msg>]) -> Vec<(u64, AckKind)> {
     effects
         .iter()
         .flat_map(|e| match e {
@@ -70,7 +70,7 @@ fn credit(effects: &[Effect<Msg>]) -> usize {
 }
 
 /// Delivers `seqs` (first deliveries) and begins them all; returns their orders.
-fn deliver_and_begin(p: &mut Partition<Msg>, seqs: &[u64], now: Instant) -> Vec<u64> {
+pub(super) fn deliver_and_begin(p: &mut Partition<Msg>, seqs: &[u64], now: Instant) -> Vec<u64> {
     for &seq in seqs {
         p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq, delivered: 1 } }, now);
     }
@@ -264,7 +264,7 @@ fn with_stores_an_input_the_restored_state_reflects_is_finished_without_running(
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 4);
     p.set_durable(true);
-    p.handle(ev::Restored(4), now);
+    p.handle(ev::Restored { position: 4, hooks: 0 }, now);
     // The input the restore reflects comes again (its ack was lost): skipped, yet
     // committable in order.
     p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: 4, delivered: 2 } }, now);
