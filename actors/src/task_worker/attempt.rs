@@ -54,9 +54,7 @@ impl<T: Task> TaskWorker<T> {
             }
         };
         self.part.handle(ev::Running(order), at);
-        let Some(held) = self.part.held(order) else { return };
-        let attempt = held.attempt;
-        let Some(msg) = self.part.msg_mut(order) else { return };
+        let Some((msg, attempt)) = self.part.msg_mut(order) else { return };
         let d = &msg.delivery;
         let span = tracing::debug_span!(
             "process",

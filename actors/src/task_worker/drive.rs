@@ -85,14 +85,18 @@ impl<T: Task> TaskWorker<T> {
     /// [`Partition::route`] (a parked key's is set aside, a queue message delivered
     /// before has its hand-backs counted, a suspect its start).
     fn route(&mut self, order: u64, ctx: &mut Context<Self>) {
-        let Some(d) = self.part.held(order).map(|h| &h.msg.delivery) else { return };
-        let seq = d.info.stream_seq;
         let parked = !self.binding.ordered() && self.key_parked(order);
-        match self.part.route(order, parked) {
+        let route = self.part.route(order, parked);
+        if route == Route::Start {
+            self.start_attempt(order, ctx);
+            return;
+        }
+        let Some(seq) = self.part.held(order).map(|h| h.msg.delivery.info.stream_seq) else { return };
+        match route {
             Route::Park => self.park(order, ctx),
             Route::CountReleases => self.count_releases(order, seq, ctx),
             Route::CountSuspect => self.count_suspect(order, seq, ctx),
-            Route::Start => self.start_attempt(order, ctx),
+            Route::Start => {}
         }
     }
 

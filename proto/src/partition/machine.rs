@@ -357,6 +357,7 @@ impl<M: Delivered> Partition<M> {
 
     /// Holds a message the readiness machine started; `None` when it finished (or went
     /// to the dead-letter stream) without running.
+    #[inline]
     fn begin(&mut self, p: Pending<M>) -> Option<u64> {
         let order = p.order;
         let seq = p.msg.stream_seq();
@@ -421,9 +422,10 @@ impl<M: Delivered> Partition<M> {
     }
 
     /// A held message's delivery, to change what the worker keeps in it (its
-    /// attempt's trace context); the machine reads only [`Delivered`] of it.
-    pub fn msg_mut(&mut self, order: u64) -> Option<&mut M> {
-        self.held.get_mut(&order).map(|h| &mut h.msg)
+    /// attempt's trace context; the machine reads only [`Delivered`] of it), with its
+    /// attempt.
+    pub fn msg_mut(&mut self, order: u64) -> Option<(&mut M, u32)> {
+        self.held.get_mut(&order).map(|h| (&mut h.msg, h.attempt))
     }
 
     /// The held message at stream sequence `seq`.

@@ -299,6 +299,7 @@ impl<M> TaskState<M> {
 
     /// The next operation, marking it started. `now` stamps a started process for the
     /// callback timeout.
+    #[inline]
     pub fn next_op(&mut self, now: Instant) -> Op<M> {
         if self.complete || self.failed.is_some() {
             return Op::NoOp;
