@@ -19,7 +19,7 @@ impl<T: Task> TaskWorker<T> {
     /// ticks every interval for every partition would cost an idle node with thousands
     /// of them more than their claims.
     pub(super) fn arm_ticks(&mut self) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         let Some(me) = &self.self_recipient else { return };
@@ -41,7 +41,7 @@ impl<T: Task> TaskWorker<T> {
             self.abort_fenced(ctx);
             return;
         }
-        while !self.finished && self.task.is_some() && self.part.readiness().failure().is_none() {
+        while !self.part.ended() && self.task.is_some() && self.part.readiness().failure().is_none() {
             // Per message, not once per turn: a turn can start many, and the lease's
             // validity is a deadline.
             if self.binding.fenced() {
@@ -50,7 +50,7 @@ impl<T: Task> TaskWorker<T> {
             }
             if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
                 // Restoring: nothing runs before the state is back.
-                if self.stopping {
+                if self.part.stopping() {
                     self.part.handle(ev::ReleaseAll { interrupted: true }, now());
                     self.finish(self.stopped_outcome(), ctx);
                 }
@@ -61,7 +61,7 @@ impl<T: Task> TaskWorker<T> {
                 // retry would change the state it writes.
                 return;
             }
-            if self.stopping && !self.part.retry_waiting() {
+            if self.part.stopping() && !self.part.retry_waiting() {
                 self.try_finish_stop(ctx);
                 return;
             }
@@ -185,7 +185,7 @@ impl<T: Task> TaskWorker<T> {
                     None
                 }
             };
-            if act.stopping {
+            if act.part.stopping() {
                 // A stop came while the count was read: hand it back unstarted.
                 if let Some(held) = act.part.handle(ev::Forgotten(order), now()) {
                     act.hand_back(&held.msg.delivery, true);

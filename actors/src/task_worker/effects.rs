@@ -18,7 +18,7 @@ impl<T: Task> TaskWorker<T> {
     }
 
     pub(super) fn pump_publish(&mut self, ctx: &mut Context<Self>) {
-        if self.publishing || self.finished {
+        if self.publishing || self.part.ended() {
             return;
         }
         if self.binding.fenced() {

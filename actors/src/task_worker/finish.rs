@@ -61,7 +61,7 @@ impl<T: Task> TaskWorker<T> {
 
     /// The task failed: hand everything back and report.
     pub(super) fn fail(&mut self, reason: String, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "task failed");
@@ -85,21 +85,6 @@ impl<T: Task> TaskWorker<T> {
         );
         self.part.handle(ev::ReleaseAll { interrupted: false }, now());
         self.finish(Outcome::Failed(reason), ctx);
-    }
-
-    /// Hands back the messages waiting for a retry: a stop does not wait out their
-    /// back-off. The commit position stays before them, so whoever runs the partition
-    /// next gets them again.
-    pub(super) fn hand_back_backing_off(&mut self) {
-        let count = self.part.handle(ev::HandBackBackingOff, now());
-        if count > 0 {
-            info!(
-                stream = self.binding.stream,
-                partition = self.binding.partition,
-                messages = count,
-                "stopping: handing back what waits for a retry instead of waiting out its back-off"
-            );
-        }
     }
 
     /// Gives a claimed, unfinished message back ([`Discipline::release`]). An
@@ -142,7 +127,7 @@ impl<T: Task> TaskWorker<T> {
     /// The partition's lease is lost: act no more for it. Nothing is acked, nak'd or
     /// published; the new owner resumes at the committed position.
     pub(super) fn abort_fenced(&mut self, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         warn!(
@@ -157,11 +142,10 @@ impl<T: Task> TaskWorker<T> {
     }
 
     pub(super) fn finish(&mut self, outcome: Outcome, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
-        self.finished = true;
-        self.part.handle(ev::Completed, now());
+        self.part.handle(ev::Ended, now());
         // What this turn acked and completed goes out before the worker reports its end.
         self.send_batched(ctx);
         // Nothing runs here any more (a fenced or released worker leaves counts behind).
@@ -219,17 +203,21 @@ impl<T: Task> TaskWorker<T> {
     /// drain timeout), commits, runs `shutdown` and ends with
     /// [`stopped_outcome`](Self::stopped_outcome).
     pub(super) fn stop(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping || self.finished {
-            return;
+        // Interrupted is not failed: the machine hands back at once what has not
+        // started, and what waits out a retry back-off (the commit position stays
+        // before them, so whoever runs the partition next gets them again).
+        let Some(handed_back) = self.part.handle(ev::StopAsked, now()) else { return };
+        if handed_back > 0 {
+            info!(
+                stream = self.binding.stream,
+                partition = self.binding.partition,
+                messages = handed_back,
+                "stopping: handing back what waits for a retry instead of waiting out its back-off"
+            );
         }
-        self.stopping = true;
-        // Interrupted is not failed: hand back at once what has not started, and what
-        // waits out a retry back-off.
-        self.part.handle(ev::HandBackUnstarted, now());
-        self.hand_back_backing_off();
         let deadline = self.config.drain_timeout;
         ctx.run_later(deadline, |act, ctx| {
-            if !act.finished {
+            if !act.part.ended() {
                 warn!(
                     stream = act.binding.stream,
                     partition = act.binding.partition,
@@ -246,50 +234,42 @@ impl<T: Task> TaskWorker<T> {
     /// loss (all of it arrived), and end asking for the partition to be reset at the
     /// committed position, where the lost delivery comes again.
     pub(super) fn resync(&mut self, reason: String, ctx: &mut Context<Self>) {
-        if self.resync.is_some() || self.finished {
-            return;
+        if self.part.handle(ev::DeliveryLost(reason), now()) {
+            let reason = self.part.resync().unwrap_or_default();
+            warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "delivery sequence broken: committing what arrived complete, then resetting the partition");
+            self.stop(ctx);
         }
-        warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, "delivery sequence broken: committing what arrived complete, then resetting the partition");
-        self.resync = Some(reason);
-        self.stop(ctx);
     }
 
     /// How a graceful stop ends: [`Outcome::Resync`] after a lost delivery.
     pub(super) fn stopped_outcome(&self) -> Outcome {
-        match &self.resync {
-            Some(reason) => Outcome::Resync(reason.clone()),
+        match self.part.resync() {
+            Some(reason) => Outcome::Resync(reason.to_owned()),
             None => Outcome::Stopped,
         }
     }
 
-    /// While stopping: once nothing is in flight, commit, run `shutdown`, finish.
+    /// While stopping: once nothing is in flight, commit, run `shutdown`, finish
+    /// ([`Partition::stop_step`] decides).
     pub(super) fn try_finish_stop(&mut self, ctx: &mut Context<Self>) {
-        // Outputs of a hook (a window) still on their way: a stop runs no half-done
-        // window, so the commit waits for them.
-        if self.finished || self.task.is_none() || self.part.held_count() > 0 || self.flushes_in_flight > 0 {
-            return;
+        let facts = StopFacts {
+            task_home: self.task.is_some(),
+            outputs_in_flight: self.flushes_in_flight > 0,
+            stores_changed: self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes()),
+        };
+        match self.part.stop_step(facts) {
+            StopStep::Wait => {}
+            StopStep::EndWithoutCommit => {
+                warn!(
+                    stream = self.binding.stream,
+                    partition = self.binding.partition,
+                    "stopping without a commit: messages that finished after one handed back mid-retry cannot have their store changes committed apart from it; the next owner restores the last commit and runs them again"
+                );
+                self.part.handle(ev::ReleaseAll { interrupted: true }, now());
+                self.finish(self.stopped_outcome(), ctx);
+            }
+            StopStep::Commit => self.commit_then(AfterCommit::Shutdown, ctx),
+            StopStep::Shutdown => self.run_hook(Hook::Shutdown, ctx),
         }
-        if self.state_busy() {
-            return;
-        }
-        if self.part.commit_blocked_by_hand_back() {
-            // Messages after the one handed back finished: their store changes are in
-            // memory, but the commit position stays before it, and a commit would write
-            // them there (the next owner would apply them twice). Commit nothing.
-            warn!(
-                stream = self.binding.stream,
-                partition = self.binding.partition,
-                "stopping without a commit: messages that finished after one handed back mid-retry cannot have their store changes committed apart from it; the next owner restores the last commit and runs them again"
-            );
-            self.part.handle(ev::ReleaseAll { interrupted: true }, now());
-            self.finish(self.stopped_outcome(), ctx);
-            return;
-        }
-        let changed = self.durable.as_ref().is_some_and(|d| d.stores.borrow().has_changes());
-        if self.part.readiness().uncommitted() || changed {
-            self.commit_then(AfterCommit::Shutdown, ctx);
-            return;
-        }
-        self.run_hook(Hook::Shutdown, ctx);
     }
 }

@@ -74,7 +74,8 @@ use actix::prelude::*;
 pub use flotilla_proto::partition::intake::SuspectRecord;
 use flotilla_proto::partition::intake::{Admission, AfterFailure, Discipline, Intake, Suspects, park_retry_delay};
 use flotilla_proto::partition::machine::{
-    self, AfterCommit, CommitPlan, Delivered, Effect, Finished, Held, Next, Partition, Route, event as ev,
+    self, AfterCommit, CommitPlan, Delivered, Effect, Finished, Held, Next, Partition, Route, StopFacts, StopStep,
+    event as ev,
 };
 use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
@@ -303,8 +304,6 @@ pub struct TaskWorker<T: Task> {
     container: Recipient<WorkerReport>,
     timers: Addr<TimerService>,
     reaper: Addr<Reaper>,
-    /// Ordered inputs: a delivery was lost; the worker stops and the partition is reset.
-    resync: Option<String>,
     /// The suspect this worker runs, with the node's suspect lane until its finish is
     /// stored or it outlived [`SUSPECT_WINDOW`](flotilla_proto::partition::intake::SUSPECT_WINDOW) (the permit then
     /// `None`: it runs on, no longer counted).
@@ -312,8 +311,6 @@ pub struct TaskWorker<T: Task> {
     /// Queue hand-backs on their way (release count, then nak).
     releases: Vec<tokio::task::JoinHandle<()>>,
     due_timers: Vec<String>,
-    stopping: bool,
-    finished: bool,
     self_recipient: Option<Recipient<Tick>>,
     publish_queue: VecDeque<Flush>,
     publishing: bool,
@@ -388,12 +385,9 @@ impl<T: Task> TaskWorker<T> {
             container,
             timers,
             reaper,
-            resync: None,
             lane: None,
             releases: Vec::new(),
             due_timers: Vec::new(),
-            stopping: false,
-            finished: false,
             self_recipient: None,
             publish_queue: VecDeque::new(),
             publishing: false,
@@ -510,7 +504,7 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
         let now = now();
         let mut dropped = 0;
         for d in msg.0 {
-            if self.stopping || self.finished {
+            if self.part.stopping() || self.part.ended() {
                 self.hand_back(&d, true);
                 dropped += 1;
                 continue;

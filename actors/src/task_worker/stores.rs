@@ -9,7 +9,7 @@ impl<T: Task> TaskWorker<T> {
     /// with backoff, an event each time) and never starts it empty; a changelog that
     /// does not decode (a type changed) fails the task, naming the store and key.
     pub(super) fn restore(&mut self, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         let Some(partition) = self.binding.partition else { return };
@@ -18,7 +18,7 @@ impl<T: Task> TaskWorker<T> {
         let started = Instant::now();
         let fut = changelog::restore(self.env.broker.clone(), bucket, prefix, self.binding.epoch);
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            if act.finished {
+            if act.part.ended() {
                 return;
             }
             match result {
@@ -184,7 +184,7 @@ impl<T: Task> TaskWorker<T> {
     }
 
     pub(super) fn persist(&mut self, flush: Arc<changelog::Flush>, attempt: u32, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         if self.binding.fenced() {
@@ -196,7 +196,7 @@ impl<T: Task> TaskWorker<T> {
         let fut = changelog::persist(self.env.broker.clone(), bucket, flush.clone()).instrument(span);
         let sent = Instant::now();
         ctx.spawn(fut.into_actor(self).map(move |result, act, ctx| {
-            if act.finished {
+            if act.part.ended() {
                 return;
             }
             match result {
@@ -259,7 +259,7 @@ impl<T: Task> TaskWorker<T> {
     }
 
     pub(super) fn end_for_restore(&mut self, reason: String, blame: Option<u64>, ctx: &mut Context<Self>) {
-        if self.finished {
+        if self.part.ended() {
             return;
         }
         warn!(stream = self.binding.stream, partition = self.binding.partition, %reason, ?blame, "restarting the partition from its last commit");

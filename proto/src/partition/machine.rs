@@ -200,6 +200,10 @@ pub struct Partition<M: Delivered> {
     suspects: Option<Suspects>,
     /// Tasks with stores: where their state and its commit stand.
     stores: commit::Stores,
+    /// Running, stopping or ended.
+    life: stop::Life,
+    /// A delivery was lost: why the stop resets the partition.
+    resync: Option<String>,
     state: TaskState<M>,
     intake: Intake,
     held: FxHashMap<u64, Held<M>>,
@@ -237,6 +241,8 @@ impl<M: Delivered> Partition<M> {
             blamed: Vec::new(),
             suspects: None,
             stores: commit::Stores::default(),
+            life: stop::Life::Running,
+            resync: None,
             state,
             intake,
             held: FxHashMap::default(),
@@ -763,11 +769,13 @@ impl<M: Delivered> Partition<M> {
 mod commit;
 pub mod event;
 mod route;
+mod stop;
 mod time;
 
 pub use commit::{AfterCommit, CommitPlan};
 pub use event::Event;
 pub use route::{Route, attempt_after_releases};
+pub use stop::{StopFacts, StopStep};
 pub use time::{DEAD_LETTER_RETRY, Timing};
 
 #[cfg(test)]

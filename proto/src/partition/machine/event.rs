@@ -11,6 +11,7 @@
 
 pub use super::commit::{CommitStarts, HookStarted, InitRan, Restored, StateRefused, StateStored};
 pub use super::route::{ReleasesCounted, SuspectJudged};
+pub use super::stop::{DeliveryLost, Ended, StopAsked};
 use super::{Delivered, Finished, Held, Partition};
 use crate::partition::intake::{Admission, AfterFailure};
 use crate::partition::readiness::EnvelopeKind;
@@ -215,10 +216,6 @@ pub struct TimersRan;
 #[derive(Debug)]
 pub struct TaskFailed(pub String);
 
-/// The worker is done (drained, ended, stopped).
-#[derive(Debug)]
-pub struct Completed;
-
 /// A delivery was taken: it queues for its first attempt. Answers its order. Every
 /// message of an ordered input is claimed until committed, and so is a queue input's
 /// marker.
@@ -286,5 +283,4 @@ events! {
     WindowRan => (), |p, e, now| p.state.window_done();
     TimersRan => (), |p, e, now| p.state.timer_done();
     TaskFailed => (), |p, e, now| p.state.fail(e.0);
-    Completed => (), |p, e, now| p.state.mark_complete();
 }
