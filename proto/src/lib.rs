@@ -9,7 +9,8 @@
 //! * [`backoff`]: the retry policy and its one back-off;
 //! * [`cluster`]: the plan of which node holds which ordered partition, and the typed
 //!   control protocol (bucket records, requests, replies; one decode policy);
-//! * [`partitioner`]: the partition of a key (part of the wire format).
+//! * [`partitioner`]: the partition of a key (part of the wire format);
+//! * [`timers`]: when a durable timer's fire is stale, and the record of its last change.
 //!
 //! `docs/architecture.md` says which crate decides and which performs.
 
@@ -21,3 +22,4 @@ pub mod cluster;
 pub mod partition;
 pub mod partitioner;
 pub mod store;
+pub mod timers;

@@ -77,7 +77,7 @@ impl Outputs {
     /// partition.
     fn timer_changed(&self, key: String, partition: Option<u32>, change: Change) {
         let shared = self.shared();
-        shared.buffer.borrow_mut().push(change.record(&self.env.subjects, &key));
+        shared.buffer.borrow_mut().push(crate::task_worker::timers::record(&change, &self.env.subjects, &key));
         if partition.is_some() {
             shared.timer_changes.borrow_mut().push((key, change));
         }

@@ -14,15 +14,15 @@
 //!   callback's outputs (so before its input is acknowledged): for the partition's next
 //!   owner, and for queue inputs, which every node runs.
 //!
-//! A fire is stale when the last change to its timer is another arming or a cancel made
-//! before the fire's place in the input. A change made while processing the fire itself
+//! A fire is stale ([`TimerChange::makes_stale`](flotilla_proto::timers::TimerChange::makes_stale),
+//! the rule in `flotilla-proto`) when the last change to its timer is another arming or
+//! a cancel made before the fire's place in the input. A change made while processing the fire itself
 //! or a later message (the fire runs again after a crash) leaves it as it was. A fire
 //! without the header (a foreign producer's, or armed before this rule) always runs.
 //! Records expire after [`ARMINGS_TTL`]: a fire still waiting that long after its timer
 //! was changed runs (the one case this does not cover).
 
 use crate::task::{Task, TaskContext, TaskError};
-use bytes::Bytes;
 use flotilla_transport::broker::{BrokerError, OutboundMessage};
 use flotilla_transport::wire::{MessageId, Subjects, headers};
 use rustc_hash::FxHashMap;
@@ -46,55 +46,13 @@ pub(crate) fn timer_key(input: &str, partition: Option<u32>, name: &str) -> Stri
     MessageId::from_wire(format!("timer/{input}/{slot}/{name}")).derive_output_text(0)
 }
 
-/// The last change to a durable timer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Change {
-    /// The arming's id; `None` when cancelled.
-    pub arming: Option<String>,
-    /// The stream sequence of the input being processed when it was made (`None` in a
-    /// hook that runs without one, such as `window`).
-    pub at: Option<u64>,
-}
+/// The last change to a durable timer (the rule and the record's format are proto's).
+pub(crate) use flotilla_proto::timers::TimerChange as Change;
 
-impl Change {
-    /// Whether the fire of `arming` at stream sequence `seq` is stale after this change.
-    pub(crate) fn makes_stale(&self, arming: &str, seq: u64) -> bool {
-        // Made while processing this fire, or after it: the fire runs again (a crash
-        // before its commit), and ran before the change the first time.
-        if self.at.is_some_and(|at| at >= seq) {
-            return false;
-        }
-        self.arming.as_deref() != Some(arming)
-    }
-
-    /// The record's value: `armed <at> <id>` or `cancelled <at>`, `-` for no position.
-    fn encode(&self) -> Bytes {
-        let at = self.at.map_or_else(|| "-".to_owned(), |at| at.to_string());
-        Bytes::from(match &self.arming {
-            Some(id) => format!("armed {at} {id}"),
-            None => format!("cancelled {at}"),
-        })
-    }
-
-    /// A record's value; `None` when it is not one.
-    fn decode(value: &[u8]) -> Option<Self> {
-        let text = std::str::from_utf8(value).ok()?;
-        let mut parts = text.split(' ');
-        let (kind, at) = (parts.next()?, parts.next()?);
-        let at = if at == "-" { None } else { Some(at.parse().ok()?) };
-        let arming = match (kind, parts.next()) {
-            ("armed", Some(id)) if !id.is_empty() => Some(id.to_owned()),
-            ("cancelled", None) => None,
-            _ => return None,
-        };
-        parts.next().is_none().then_some(Self { arming, at })
-    }
-
-    /// The record of this change to the timer at `key`, published with the callback's
-    /// outputs (a KV put on the `ARMINGS` bucket).
-    pub(crate) fn record(&self, subjects: &Subjects, key: &str) -> OutboundMessage {
-        OutboundMessage::new(Subjects::kv_subject(&subjects.bucket_name(ARMINGS), key), self.encode())
-    }
+/// The record of `change` to the timer at `key`, published with the callback's outputs
+/// (a KV put on the `ARMINGS` bucket).
+pub(crate) fn record(change: &Change, subjects: &Subjects, key: &str) -> OutboundMessage {
+    OutboundMessage::new(Subjects::kv_subject(&subjects.bucket_name(ARMINGS), key), change.encode())
 }
 
 /// The last change each worker of this node made to its partitions' durable timers, by
@@ -183,31 +141,6 @@ mod tests {
 
     fn armed(id: &str, at: Option<u64>) -> Change {
         Change { arming: Some(id.into()), at }
-    }
-
-    #[test]
-    fn a_fire_is_stale_after_another_arming_or_a_cancel_made_before_its_turn() {
-        assert!(!armed("a1", Some(3)).makes_stale("a1", 9), "its own arming is current");
-        assert!(armed("a2", Some(7)).makes_stale("a1", 9), "armed again before the fire's turn");
-        assert!(Change { arming: None, at: Some(7) }.makes_stale("a1", 9), "cancelled before its turn");
-        assert!(armed("a2", None).makes_stale("a1", 9), "armed again in a hook: no position, before");
-        assert!(!armed("a2", Some(9)).makes_stale("a1", 9), "armed again by this fire's own hook: it ran");
-        assert!(!Change { arming: None, at: Some(12) }.makes_stale("a1", 9), "cancelled after its turn");
-    }
-
-    #[test]
-    fn records_read_back_as_written_and_anything_else_is_no_record() {
-        for change in [armed("0190b6a4-7d2c-7c3e-9a51-3f0e8b1c2d4e", Some(17)), armed("x", None)] {
-            assert_eq!(Change::decode(&change.encode()), Some(change));
-        }
-        let cancelled = Change { arming: None, at: Some(4) };
-        assert_eq!(cancelled.encode(), Bytes::from("cancelled 4"));
-        assert_eq!(Change::decode(b"cancelled 4"), Some(cancelled));
-        for bad in
-            [&b""[..], b"armed", b"armed 3", b"armed x id", b"cancelled", b"cancelled 4 id", b"fired 3 a", b"\xff"]
-        {
-            assert_eq!(Change::decode(bad), None, "{bad:?}");
-        }
     }
 
     #[test]
