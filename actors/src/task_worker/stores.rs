@@ -147,8 +147,12 @@ impl<T: Task> TaskWorker<T> {
     /// Writes what changed in the stores with a commit record at `position` (counting
     /// `hooks` hooks run there), then acknowledges ([`state_stored`](Self::state_stored)).
     fn write_state(&mut self, position: u64, hooks: u32, moved: bool, ctx: &mut Context<Self>) {
-        let Some(d) = &self.durable else { return };
-        let Some(log) = &d.changelog else { return };
+        let Some((d, log)) = self.durable.as_ref().and_then(|d| Some((d, d.changelog.as_ref()?))) else {
+            // The machine counts the stores as restored only once the changelog is read.
+            self.part.handle(ev::StateRefused, now());
+            self.fail("state not stored: the changelog was never read".to_owned(), ctx);
+            return;
+        };
         let codec = *d.stores.borrow().codec();
         let mut changes = Vec::new();
         let mut failed = None;

@@ -455,18 +455,6 @@ impl<M: Delivered> Partition<M> {
         if self.ordered() { !self.claims.is_empty() } else { !self.held.is_empty() }
     }
 
-    /// Sets the attempt of a held message (a queue message whose hand-backs were
-    /// counted); `false` when it is not held.
-    pub(crate) fn set_attempt(&mut self, order: u64, attempt: u32) -> bool {
-        match self.held.get_mut(&order) {
-            Some(h) => {
-                h.attempt = attempt;
-                true
-            }
-            None => false,
-        }
-    }
-
     // ---- one attempt ----
 
     /// The next attempt of the message at `order` starts at `now`: `false` when it

@@ -155,7 +155,8 @@ pub struct CommitStarts(pub AfterCommit);
 pub struct StateStored;
 
 /// The state could not be stored (someone else wrote the changelog, or the broker
-/// failed for good): the commit is over, acknowledging nothing.
+/// failed for good): the commit being written is over, acknowledging nothing. (A
+/// commit that waits for applied messages is not one being written: it stays.)
 #[derive(Debug)]
 pub struct StateRefused;
 
@@ -197,6 +198,9 @@ impl sealed::Sealed for StateStored {}
 impl<M: Delivered> Event<M> for StateStored {
     type Reply = Option<(BTreeMap<u32, u64>, AfterCommit)>;
     fn apply(self, p: &mut Partition<M>, _now: Instant) -> Self::Reply {
+        if !matches!(p.stores.phase, Phase::Writing { .. }) {
+            return None;
+        }
         let Phase::Writing { positions, at, then } = std::mem::take(&mut p.stores.phase) else { return None };
         p.stores.stored_at = Some(at);
         Some((positions, then))
@@ -207,7 +211,9 @@ impl sealed::Sealed for StateRefused {}
 impl<M: Delivered> Event<M> for StateRefused {
     type Reply = ();
     fn apply(self, p: &mut Partition<M>, _now: Instant) {
-        p.stores.phase = Phase::Idle;
+        if matches!(p.stores.phase, Phase::Writing { .. }) {
+            p.stores.phase = Phase::Idle;
+        }
     }
 }
 
@@ -312,6 +318,16 @@ mod tests {
         p.handle(StateRefused, now);
         assert!(!p.commit_in_progress(), "a refused write ends the commit");
         assert_eq!(p.handle(StateStored, now), None, "and nothing is acknowledged for it");
+        // A commit that waits is not cancelled by a late answer to a write.
+        let orders = deliver_and_begin(&mut p, &[4], now);
+        p.handle(ev::ReturnedOk(orders[0]), now);
+        assert_eq!(p.handle(CommitStarts(AfterCommit::Drained), now), CommitPlan::Wait);
+        assert_eq!(p.handle(StateStored, now), None);
+        p.handle(StateRefused, now);
+        assert!(p.commit_in_progress(), "still waiting");
+        p.handle(ev::CallbacksDone(orders[0]), now);
+        p.handle(ev::EffectsStored(orders[0]), now);
+        assert_eq!(p.resume_commit(), Some(AfterCommit::Drained), "what follows it is kept");
     }
 
     #[test]

@@ -54,21 +54,6 @@ pub struct Offered {
 #[derive(Debug)]
 pub struct Dropped(pub usize);
 
-/// A routed message is ready for its attempt (its hand-backs counted, its suspect
-/// record stored): it starts at the next [`Partition::next`].
-#[derive(Debug)]
-pub struct Ready(pub u64);
-
-/// A queue message's hand-backs were counted: its attempt is `attempt`. Answers
-/// whether it is still held.
-#[derive(Debug)]
-pub struct AttemptCounted {
-    #[allow(missing_docs)]
-    pub order: u64,
-    #[allow(missing_docs)]
-    pub attempt: u32,
-}
-
 /// The message's next attempt starts. Answers whether it runs (it is held, and its
 /// dead letter is not due again instead).
 #[derive(Debug)]
@@ -164,10 +149,6 @@ pub struct Committed(pub BTreeMap<u32, u64>);
 #[derive(Debug)]
 pub struct HandBackUnstarted;
 
-/// A stop: hand back what waits out a retry back-off. Answers how many.
-#[derive(Debug)]
-pub struct HandBackBackingOff;
-
 /// The worker ends with work held: hand everything back; `interrupted` when that
 /// is not the messages' fault.
 #[derive(Debug)]
@@ -254,8 +235,6 @@ macro_rules! events {
 events! {
     Offered => Admission, |p, e, now| p.intake.admit(e.stream_seq, e.consumer_seq);
     Dropped => (), |p, e, now| p.dropped(e.0);
-    Ready => (), |p, e, now| p.retry_due(e.0);
-    AttemptCounted => bool, |p, e, now| p.set_attempt(e.order, e.attempt);
     Started => bool, |p, e, now| p.start(e.0, now);
     Running => (), |p, e, now| p.running(e.0);
     ReturnedOk => (), |p, e, now| p.returned_ok(e.0);
@@ -271,7 +250,6 @@ events! {
     Forgotten => Option<Held<M>>, |p, e, now| p.forget(e.0);
     Committed => usize, |p, e, now| p.commit(e.0);
     HandBackUnstarted => (), |p, e, now| p.hand_back_unstarted();
-    HandBackBackingOff => usize, |p, e, now| p.hand_back_backing_off();
     ReleaseAll => (), |p, e, now| p.release_all(e.interrupted);
     LeaseLost => (), |p, e, now| p.abandon();
     Paused => (), |p, e, now| p.state.pause();

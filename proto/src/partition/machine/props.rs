@@ -173,13 +173,12 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                 if !waiting.is_empty() {
                     let due = waiting[usize::from(pick) % waiting.len()];
                     p.backing_off.remove(&due);
-                    p.handle(ev::Ready(due.1), now);
+                    p.retry_due(due.1);
                 }
             }
             Step::Stop if !stopped => {
                 stopped = true;
-                p.handle(ev::HandBackUnstarted, now);
-                seen.handed_back_mid_retry = p.handle(ev::HandBackBackingOff, now);
+                seen.handed_back_mid_retry = p.handle(ev::StopAsked, now).unwrap_or_default();
                 drain(&mut p, &mut seen, ordered, now);
             }
             Step::Stop => {}

@@ -111,16 +111,18 @@ impl sealed::Sealed for SuspectJudged {}
 impl<M: Delivered> Event<M> for SuspectJudged {
     type Reply = ();
     fn apply(self, p: &mut Partition<M>, _now: Instant) {
-        match (self.quarantined, p.suspects) {
-            (Some(starts), Some(suspects)) => p.dead_letter(
-                self.order,
-                "crash-loop",
-                format!(
-                    "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {})",
-                    suspects.limit()
-                ),
-            ),
-            _ => p.retry_due(self.order),
+        match self.quarantined {
+            Some(starts) => {
+                let limit = p.suspects.map_or(starts, |s| s.limit());
+                p.dead_letter(
+                    self.order,
+                    "crash-loop",
+                    format!(
+                        "started {starts} times by owners that crashed, hung or failed before finishing it (crash limit {limit})"
+                    ),
+                );
+            }
+            None => p.retry_due(self.order),
         }
     }
 }
@@ -153,9 +155,10 @@ mod tests {
         let now = Instant::now();
         let mut p = partition(config(Discipline::Queue), 4);
         let first = begin(&mut p, 1, 1, now);
-        assert_eq!(p.route(first, true), Route::Park, "a parked key comes first");
+        assert_eq!(p.route(first, true), Route::Park, "a parked key is set aside");
         assert_eq!(p.route(first, false), Route::Start);
         let again = begin(&mut p, 2, 3, now);
+        assert_eq!(p.route(again, true), Route::Park, "before its hand-backs are counted");
         assert_eq!(p.route(again, false), Route::CountReleases);
     }
 
@@ -168,6 +171,8 @@ mod tests {
         assert_eq!(p.route(first, true), Route::CountSuspect, "parking is for queue inputs");
         let later = begin(&mut p, 3, 1, now);
         assert_eq!(p.route(later, false), Route::Start, "past what the last owner reached");
+        let redelivered = begin(&mut p, 4, 3, now);
+        assert_eq!(p.route(redelivered, false), Route::Start, "an ordered redelivery counts no hand-backs");
     }
 
     #[test]
@@ -181,6 +186,10 @@ mod tests {
             Some(Effect::DeadLetter { reason: "max-attempts", attempts: 3, .. }) => {}
             other => panic!("expected a dead letter, got {other:?}"),
         }
+        let known = begin(&mut p, 3, 3, now);
+        p.handle(ReleasesCounted { order: known, released: Some(2) }, now);
+        assert_eq!(p.next(now), Next::Retry(known), "two hand-backs and this delivery: its first attempt");
+        assert_eq!(p.held(known).map(|h| h.attempt), Some(1));
         let unknown = begin(&mut p, 2, 9, now);
         p.handle(ReleasesCounted { order: unknown, released: None }, now);
         assert_eq!(p.next(now), Next::Retry(unknown));

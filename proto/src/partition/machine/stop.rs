@@ -163,8 +163,8 @@ mod tests {
         assert_eq!(p.stop_step(IDLE), StopStep::Wait, "the first still runs");
         p.handle(ev::ReturnedOk(orders[0]), now);
         p.handle(ev::CallbacksDone(orders[0]), now);
-        assert_eq!(p.stop_step(StopFacts { outputs_in_flight: true, ..IDLE }), StopStep::Wait);
         p.handle(ev::EffectsStored(orders[0]), now);
+        assert_eq!(p.stop_step(StopFacts { outputs_in_flight: true, ..IDLE }), StopStep::Wait, "a hook's outputs");
         assert_eq!(p.stop_step(StopFacts { task_home: false, ..IDLE }), StopStep::Wait);
         assert_eq!(p.stop_step(IDLE), StopStep::Commit, "what finished is committed before shutdown");
         let CommitPlan::Ack(positions, _) = p.handle(ev::CommitStarts(super::super::AfterCommit::Shutdown), now) else {
@@ -191,6 +191,27 @@ mod tests {
         p.handle(ev::EffectsStored(orders[1]), now);
         assert_eq!(p.handle(StopAsked, now), Some(1), "the one backing off goes back at once");
         assert_eq!(p.stop_step(IDLE), StopStep::EndWithoutCommit);
+    }
+
+    #[test]
+    fn a_stop_waits_for_a_commit_on_its_way() {
+        let now = Instant::now();
+        let mut p = partition(config(Discipline::Ordered), 2);
+        p.set_durable(true);
+        p.handle(ev::Restored { position: 0, hooks: 0 }, now);
+        let orders = deliver_and_begin(&mut p, &[1], now);
+        p.handle(ev::ReturnedOk(orders[0]), now);
+        p.handle(ev::CallbacksDone(orders[0]), now);
+        p.handle(ev::EffectsStored(orders[0]), now);
+        p.handle(StopAsked, now);
+        assert_eq!(p.stop_step(IDLE), StopStep::Commit);
+        assert!(matches!(
+            p.handle(ev::CommitStarts(super::super::AfterCommit::Shutdown), now),
+            CommitPlan::Flush { .. }
+        ));
+        assert_eq!(p.stop_step(IDLE), StopStep::Wait, "the state is being written");
+        p.handle(ev::StateStored, now);
+        assert_eq!(p.stop_step(IDLE), StopStep::Commit, "its positions are not acknowledged yet");
     }
 
     #[test]

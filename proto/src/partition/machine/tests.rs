@@ -288,7 +288,7 @@ fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores
     p.handle(ev::CallbacksDone(orders[1]), now);
     p.handle(ev::EffectsStored(orders[1]), now);
     effects(&mut p);
-    assert_eq!(p.handle(ev::HandBackBackingOff, now), 1);
+    assert_eq!(p.handle(ev::StopAsked, now), Some(1));
     match effects(&mut p).as_slice() {
         [Effect::HandBack { msg, interrupted: true }] => assert_eq!(msg.seq, 1),
         other => panic!("expected the first handed back, got {other:?}"),
@@ -306,7 +306,7 @@ fn without_stores_a_hand_back_blocks_no_commit() {
     p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
     p.handle(ev::CallbacksDone(orders[1]), now);
     p.handle(ev::EffectsStored(orders[1]), now);
-    p.handle(ev::HandBackBackingOff, now);
+    p.handle(ev::StopAsked, now);
     assert!(!p.commit_blocked_by_hand_back());
 }
 
