@@ -43,9 +43,9 @@ impl<M: Delivered> Partition<M> {
 /// dropped, a gap in the consumer's deliveries means one was lost).
 #[derive(Debug)]
 pub struct Offered {
-    #[allow(missing_docs)]
+    /// Its position in the stream.
     pub stream_seq: u64,
-    #[allow(missing_docs)]
+    /// Its delivery sequence on the partition's consumer.
     pub consumer_seq: u64,
 }
 
@@ -83,11 +83,11 @@ pub struct OutputsRefused(pub u64);
 /// back-off. Answers what follows, `None` when it is not held.
 #[derive(Debug)]
 pub struct Failed<'a> {
-    #[allow(missing_docs)]
+    /// The message.
     pub order: u64,
-    #[allow(missing_docs)]
+    /// Why, for people (a dead letter's: machine-readable).
     pub reason: &'a str,
-    #[allow(missing_docs)]
+    /// A uniform draw in [0, 1) that jitters the back-off.
     pub sample: f64,
 }
 
@@ -95,11 +95,11 @@ pub struct Failed<'a> {
 /// uncounted, `None` once that counted as a failed attempt.
 #[derive(Debug)]
 pub struct Unavailable<'a> {
-    #[allow(missing_docs)]
+    /// The message.
     pub order: u64,
-    #[allow(missing_docs)]
+    /// Why, for people (a dead letter's: machine-readable).
     pub reason: &'a str,
-    #[allow(missing_docs)]
+    /// A uniform draw in [0, 1) that jitters the back-off.
     pub sample: f64,
 }
 
@@ -108,11 +108,11 @@ pub struct Unavailable<'a> {
 /// dead-letter stream.
 #[derive(Debug)]
 pub struct Poison {
-    #[allow(missing_docs)]
+    /// The message.
     pub order: u64,
-    #[allow(missing_docs)]
+    /// Why, for people (a dead letter's: machine-readable).
     pub reason: &'static str,
-    #[allow(missing_docs)]
+    /// What happened, for people.
     pub detail: String,
 }
 
@@ -123,11 +123,11 @@ pub struct DeadLettered(pub u64);
 /// Its dead letter could not be stored: tried again later.
 #[derive(Debug)]
 pub struct DeadLetterRefused {
-    #[allow(missing_docs)]
+    /// The message.
     pub order: u64,
-    #[allow(missing_docs)]
+    /// Why, for people (a dead letter's: machine-readable).
     pub reason: &'static str,
-    #[allow(missing_docs)]
+    /// What happened, for people.
     pub detail: String,
 }
 
@@ -153,7 +153,7 @@ pub struct HandBackUnstarted;
 /// is not the messages' fault.
 #[derive(Debug)]
 pub struct ReleaseAll {
-    #[allow(missing_docs)]
+    /// Not the messages' fault.
     pub interrupted: bool,
 }
 

@@ -180,20 +180,6 @@ mod tests {
     }
 
     #[test]
-    fn with_stores_a_stop_after_a_hand_back_mid_retry_ends_without_a_commit() {
-        let now = Instant::now();
-        let mut p = partition(config(Discipline::Ordered), 2);
-        p.set_durable(true);
-        let orders = deliver_and_begin(&mut p, &[1, 2], now);
-        p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
-        p.handle(ev::ReturnedOk(orders[1]), now);
-        p.handle(ev::CallbacksDone(orders[1]), now);
-        p.handle(ev::EffectsStored(orders[1]), now);
-        assert_eq!(p.handle(StopAsked, now), Some(1), "the one backing off goes back at once");
-        assert_eq!(p.stop_step(IDLE), StopStep::EndWithoutCommit);
-    }
-
-    #[test]
     fn a_stop_waits_for_a_commit_on_its_way() {
         let now = Instant::now();
         let mut p = partition(config(Discipline::Ordered), 2);

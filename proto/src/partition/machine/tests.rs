@@ -295,6 +295,8 @@ fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores
     }
     assert_eq!(p.readiness().in_flight(), 0);
     assert!(p.commit_blocked_by_hand_back(), "the second's changes cannot be committed apart from the first");
+    let idle = StopFacts { task_home: true, outputs_in_flight: false, stores_changed: false };
+    assert_eq!(p.stop_step(idle), StopStep::EndWithoutCommit, "so the stop ends without a commit");
     assert!(!p.readiness().uncommitted(), "the commit position stays before the one handed back");
 }
 
