@@ -60,7 +60,7 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 mod context;
-mod durable;
+pub(crate) mod durable;
 pub use context::TaskContext;
 pub use durable::Misfire;
 
@@ -222,7 +222,7 @@ pub struct TaskEnv {
     /// membership).
     pub parked: ParkedKeys,
     /// The last change this node's workers made to each of their durable timers.
-    pub(crate) armings: crate::task_worker::timers::Armings,
+    pub(crate) armings: durable::Armings,
 }
 
 /// The keys parked on each queue input (`park --stream S --key K`): their messages are
@@ -377,7 +377,7 @@ struct OutputsShared {
     epoch_text: std::cell::OnceCell<std::sync::Arc<str>>,
     /// Changes to durable timers of an ordered partition, by timer key: noted for the
     /// worker once the callback succeeded.
-    timer_changes: RefCell<Vec<(String, crate::task_worker::timers::Change)>>,
+    timer_changes: RefCell<Vec<(String, durable::Change)>>,
 }
 
 impl std::fmt::Debug for Outputs {

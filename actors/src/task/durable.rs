@@ -3,11 +3,66 @@
 //! ([`task_worker::timers`](crate::task_worker::timers)).
 
 use super::{Outputs, TaskError, check_delay};
-use crate::task_worker::timers::{Change, timer_key};
 use flotilla_transport::broker::OutboundMessage;
 use flotilla_transport::clock::unix_millis;
-use flotilla_transport::wire::{MessageId, StreamName, headers};
+use flotilla_transport::wire::{MessageId, StreamName, Subjects, headers};
+use rustc_hash::FxHashMap;
+use std::cell::RefCell;
 use std::time::{Duration, SystemTime};
+
+/// The bucket of the last change to each durable timer, `FLOTILLA_<job>_ARMINGS`.
+pub const ARMINGS: &str = "ARMINGS";
+
+/// How long the last change to a durable timer is kept (30 days).
+pub const ARMINGS_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Timers whose last change a node keeps in memory; past that it forgets them all (and
+/// reads the bucket for their fires).
+const REMEMBERED: usize = 100_000;
+
+/// The key of durable timer `name` of input `input`'s `partition` (`None`: the queue):
+/// its timer stream subject is `…_timer.named-<key>`, and its record's key.
+pub(crate) fn timer_key(input: &str, partition: Option<u32>, name: &str) -> String {
+    let slot = partition.map_or_else(|| "queue".to_owned(), |p| p.to_string());
+    MessageId::from_wire(format!("timer/{input}/{slot}/{name}")).derive_output_text(0)
+}
+
+/// The last change to a durable timer (the rule and the record's format are proto's).
+pub(crate) use flotilla_proto::timers::TimerChange as Change;
+
+/// The record of `change` to the timer at `key`, published with the callback's outputs
+/// (a KV put on the `ARMINGS` bucket).
+pub(crate) fn record(change: &Change, subjects: &Subjects, key: &str) -> OutboundMessage {
+    OutboundMessage::new(Subjects::kv_subject(&subjects.bucket_name(ARMINGS), key), change.encode())
+}
+
+/// The last change each worker of this node made to its partitions' durable timers, by
+/// timer key, with the lease epoch of the tenure that made it.
+#[derive(Debug, Default)]
+pub(crate) struct Armings {
+    last: RefCell<FxHashMap<String, (u64, Change)>>,
+}
+
+impl Armings {
+    /// Notes a change a callback of the tenure with `epoch` made (its outputs are on
+    /// their way).
+    pub(crate) fn note(&self, key: String, epoch: u64, change: Change) {
+        let mut last = self.last.borrow_mut();
+        if last.len() >= REMEMBERED && !last.contains_key(&key) {
+            last.clear();
+        }
+        last.insert(key, (epoch, change));
+    }
+
+    /// The last change to the timer at `key` made in the tenure with `epoch`, if any.
+    pub(crate) fn known(&self, key: &str, epoch: u64) -> Option<Change> {
+        self.last.borrow().get(key).filter(|(e, _)| *e == epoch).map(|(_, c)| c.clone())
+    }
+
+    pub(crate) fn forget(&self, key: &str) {
+        self.last.borrow_mut().remove(key);
+    }
+}
 
 /// What a durable timer does when it comes due late (its job was down, or busy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,7 +132,7 @@ impl Outputs {
     /// partition.
     fn timer_changed(&self, key: String, partition: Option<u32>, change: Change) {
         let shared = self.shared();
-        shared.buffer.borrow_mut().push(crate::task_worker::timers::record(&change, &self.env.subjects, &key));
+        shared.buffer.borrow_mut().push(record(&change, &self.env.subjects, &key));
         if partition.is_some() {
             shared.timer_changes.borrow_mut().push((key, change));
         }
@@ -127,5 +182,39 @@ impl MisfireHeader {
             Misfire::FireLate => Self(None),
             Misfire::SkipIfLateBy(late) => Self(Some(format!("skip:{}", late.as_millis()))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn armed(id: &str, at: Option<u64>) -> Change {
+        Change { arming: Some(id.into()), at }
+    }
+
+    #[test]
+    fn memory_is_per_tenure_and_bounded() {
+        let armings = Armings::default();
+        armings.note("k".into(), 5, armed("a1", Some(3)));
+        assert_eq!(armings.known("k", 5), Some(armed("a1", Some(3))));
+        assert_eq!(armings.known("k", 6), None, "another tenure (lease epoch) does not trust it");
+        armings.forget("k");
+        assert_eq!(armings.known("k", 5), None);
+        for i in 0..REMEMBERED + 1 {
+            armings.note(i.to_string(), 1, armed("a", None));
+        }
+        assert_eq!(armings.last.borrow().len(), 1, "past the bound it starts over");
+    }
+
+    #[test]
+    fn keys_name_the_input_its_partition_and_the_timer() {
+        // As docs/wire-format.md §3.4 gives them (Python: `uuid.uuid5(ns, "timer/in/3/a/0")`).
+        let k = timer_key("in", Some(3), "a");
+        assert_eq!(k, "039ed170-6813-5bb2-a98a-7929925f2d98");
+        assert_eq!(timer_key("jobs", None, "a"), "baea42a9-7f17-5fe7-8def-054124eaf2de");
+        assert_ne!(k, timer_key("in", Some(2), "a"));
+        assert_ne!(k, timer_key("in", None, "a"));
+        assert_ne!(k, timer_key("in", Some(3), "b"));
     }
 }

@@ -8,7 +8,7 @@
 //! Each arming has an id, in the timer message's `Flotilla-Arming` header, which the
 //! promotion copies into the fire. What the task did last to each of its timers (armed
 //! it with some id, or cancelled it) is known
-//! * in memory, to the worker that did it ([`Armings`], by lease epoch, so a later
+//! * in memory, to the worker that did it (`Armings` in `task/durable.rs`, by lease epoch, so a later
 //!   tenure on the same node does not trust it): a fire costs no I/O in the common case;
 //! * in the job's `ARMINGS` bucket, which every arming and cancel updates with the
 //!   callback's outputs (so before its input is acknowledged): for the partition's next
@@ -22,66 +22,11 @@
 //! Records expire after [`ARMINGS_TTL`]: a fire still waiting that long after its timer
 //! was changed runs (the one case this does not cover).
 
+pub use crate::task::durable::{ARMINGS, ARMINGS_TTL};
+use crate::task::durable::{Change, timer_key};
 use crate::task::{Task, TaskContext, TaskError};
-use flotilla_transport::broker::{BrokerError, OutboundMessage};
-use flotilla_transport::wire::{MessageId, Subjects, headers};
-use rustc_hash::FxHashMap;
-use std::cell::RefCell;
-use std::time::Duration;
-
-/// The bucket of the last change to each durable timer, `FLOTILLA_<job>_ARMINGS`.
-pub const ARMINGS: &str = "ARMINGS";
-
-/// How long the last change to a durable timer is kept (30 days).
-pub const ARMINGS_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// Timers whose last change a node keeps in memory; past that it forgets them all (and
-/// reads the bucket for their fires).
-const REMEMBERED: usize = 100_000;
-
-/// The key of durable timer `name` of input `input`'s `partition` (`None`: the queue):
-/// its timer stream subject is `…_timer.named-<key>`, and its record's key.
-pub(crate) fn timer_key(input: &str, partition: Option<u32>, name: &str) -> String {
-    let slot = partition.map_or_else(|| "queue".to_owned(), |p| p.to_string());
-    MessageId::from_wire(format!("timer/{input}/{slot}/{name}")).derive_output_text(0)
-}
-
-/// The last change to a durable timer (the rule and the record's format are proto's).
-pub(crate) use flotilla_proto::timers::TimerChange as Change;
-
-/// The record of `change` to the timer at `key`, published with the callback's outputs
-/// (a KV put on the `ARMINGS` bucket).
-pub(crate) fn record(change: &Change, subjects: &Subjects, key: &str) -> OutboundMessage {
-    OutboundMessage::new(Subjects::kv_subject(&subjects.bucket_name(ARMINGS), key), change.encode())
-}
-
-/// The last change each worker of this node made to its partitions' durable timers, by
-/// timer key, with the lease epoch of the tenure that made it.
-#[derive(Debug, Default)]
-pub(crate) struct Armings {
-    last: RefCell<FxHashMap<String, (u64, Change)>>,
-}
-
-impl Armings {
-    /// Notes a change a callback of the tenure with `epoch` made (its outputs are on
-    /// their way).
-    pub(crate) fn note(&self, key: String, epoch: u64, change: Change) {
-        let mut last = self.last.borrow_mut();
-        if last.len() >= REMEMBERED && !last.contains_key(&key) {
-            last.clear();
-        }
-        last.insert(key, (epoch, change));
-    }
-
-    /// The last change to the timer at `key` made in the tenure with `epoch`, if any.
-    fn known(&self, key: &str, epoch: u64) -> Option<Change> {
-        self.last.borrow().get(key).filter(|(e, _)| *e == epoch).map(|(_, c)| c.clone())
-    }
-
-    fn forget(&self, key: &str) {
-        self.last.borrow_mut().remove(key);
-    }
-}
+use flotilla_transport::broker::BrokerError;
+use flotilla_transport::wire::headers;
 
 /// Runs `task`'s `timer` hook for the durable timer `name` whose fire is being
 /// processed, unless the fire is stale: then nothing runs, and the fire is done.
@@ -133,38 +78,4 @@ async fn stale(name: &str, ctx: &TaskContext) -> Result<bool, TaskError> {
         );
     }
     Ok(stale)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn armed(id: &str, at: Option<u64>) -> Change {
-        Change { arming: Some(id.into()), at }
-    }
-
-    #[test]
-    fn memory_is_per_tenure_and_bounded() {
-        let armings = Armings::default();
-        armings.note("k".into(), 5, armed("a1", Some(3)));
-        assert_eq!(armings.known("k", 5), Some(armed("a1", Some(3))));
-        assert_eq!(armings.known("k", 6), None, "another tenure (lease epoch) does not trust it");
-        armings.forget("k");
-        assert_eq!(armings.known("k", 5), None);
-        for i in 0..REMEMBERED + 1 {
-            armings.note(i.to_string(), 1, armed("a", None));
-        }
-        assert_eq!(armings.last.borrow().len(), 1, "past the bound it starts over");
-    }
-
-    #[test]
-    fn keys_name_the_input_its_partition_and_the_timer() {
-        // As docs/wire-format.md §3.4 gives them (Python: `uuid.uuid5(ns, "timer/in/3/a/0")`).
-        let k = timer_key("in", Some(3), "a");
-        assert_eq!(k, "039ed170-6813-5bb2-a98a-7929925f2d98");
-        assert_eq!(timer_key("jobs", None, "a"), "baea42a9-7f17-5fe7-8def-054124eaf2de");
-        assert_ne!(k, timer_key("in", Some(2), "a"));
-        assert_ne!(k, timer_key("in", None, "a"));
-        assert_ne!(k, timer_key("in", Some(3), "b"));
-    }
 }
