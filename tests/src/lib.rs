@@ -228,6 +228,17 @@ impl NatsServer {
     /// # Panics
     /// When the server exits or is not healthy within 20 s; the panic includes its log.
     pub fn wait_healthy(&mut self) {
+        self.wait_healthy_within(READY_TIMEOUT);
+    }
+
+    /// [`wait_healthy`](Self::wait_healthy) with another bound: a server that was cut
+    /// off from its peers for a while reports healthy only once its JetStream caught
+    /// up, which can take longer than a start.
+    ///
+    /// # Panics
+    /// When the server exits or is not healthy within `within`; the panic includes its
+    /// log.
+    pub fn wait_healthy_within(&mut self, within: Duration) {
         let start = Instant::now();
         loop {
             if let Some(child) = self.child.as_mut()
@@ -238,12 +249,8 @@ impl NatsServer {
             if let Some((200, _)) = http_get(self.http_port, "/healthz") {
                 return;
             }
-            if start.elapsed() > READY_TIMEOUT {
-                panic!(
-                    "nats-server on port {} not healthy after {READY_TIMEOUT:?}; log:\n{}",
-                    self.port,
-                    self.log_text()
-                );
+            if start.elapsed() > within {
+                panic!("nats-server on port {} not healthy after {within:?}; log:\n{}", self.port, self.log_text());
             }
             std::thread::sleep(Duration::from_millis(25));
         }

@@ -162,7 +162,9 @@ async fn a_nats_server_partitioned_from_its_peers_and_healed_loses_nothing() {
     tokio::time::sleep(TTL * 5 - moved_after.min(TTL * 5)).await;
     cluster.heal();
     let healed = Instant::now();
-    cluster.servers[2].wait_healthy();
+    // Liveness: the healed server catches up on 2.15.1 in more than a start's 20 s
+    // when the machine is busy (seen once locally); what follows waits 120 s anyway.
+    cluster.servers[2].wait_healthy_within(Duration::from_secs(60));
     c.wait_balanced(&["a", "b", "c"], Duration::from_secs(120)).await;
     eprintln!("s2 healed: rebalanced {:?} after the heal", healed.elapsed());
     let gap = feed.longest_gap();
