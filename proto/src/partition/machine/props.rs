@@ -149,18 +149,18 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
                             p.handle(ev::EffectsStored(order), now);
                         }
                         Outcome::Failed => {
-                            p.handle(ev::Failed { order: order, reason: "failed", sample: 0.5 }, now);
+                            p.handle(ev::Failed { order, reason: "failed", sample: 0.5 }, now);
                         }
                         Outcome::Unavailable => {
-                            p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now);
+                            p.handle(ev::Unavailable { order, reason: "down", sample: 0.5 }, now);
                         }
                         Outcome::DeadLetter => {
-                            p.handle(ev::Poison { order: order, reason: "poison", detail: "poison".into() }, now)
+                            p.handle(ev::Poison { order, reason: "poison", detail: "poison".into() }, now)
                         }
                         Outcome::Refused => {
                             p.handle(ev::CallbacksDone(order), now);
                             p.handle(ev::OutputsRefused(order), now);
-                            p.handle(ev::Failed { order: order, reason: "refused", sample: 0.5 }, now);
+                            p.handle(ev::Failed { order, reason: "refused", sample: 0.5 }, now);
                         }
                     }
                     drain(&mut p, &mut seen, ordered, now);

@@ -145,8 +145,7 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
     let mut p = partition(config(Discipline::Ordered), 1);
     let order = deliver_and_begin(&mut p, &[3], now)[0];
     p.handle(ev::Running(order), now);
-    let Some(AfterFailure::RetryInPlace(delay)) =
-        p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now)
+    let Some(AfterFailure::RetryInPlace(delay)) = p.handle(ev::Failed { order, reason: "boom", sample: 0.5 }, now)
     else {
         panic!("an ordered failure is retried in place")
     };
@@ -161,13 +160,13 @@ fn an_ordered_failure_is_retried_in_place_then_dead_lettered_and_skipped() {
     assert_eq!(p.next(now), Next::Retry(order));
     assert!(p.handle(ev::Started(order), now));
     p.handle(ev::Running(order), now);
-    p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now);
+    p.handle(ev::Failed { order, reason: "boom", sample: 0.5 }, now);
     p.handle_timeout(now + Duration::from_secs(60));
     effects(&mut p);
     assert_eq!(p.next(now), Next::Retry(order));
     assert!(p.handle(ev::Started(order), now));
     p.handle(ev::Running(order), now);
-    assert_eq!(p.handle(ev::Failed { order: order, reason: "boom", sample: 0.5 }, now), Some(AfterFailure::DeadLetter));
+    assert_eq!(p.handle(ev::Failed { order, reason: "boom", sample: 0.5 }, now), Some(AfterFailure::DeadLetter));
     match effects(&mut p).as_slice() {
         [Effect::DeadLetter { order: o, reason: "max-attempts", detail, attempts: 3 }] => {
             assert_eq!(*o, order);
@@ -206,7 +205,7 @@ fn a_dead_letter_not_stored_is_tried_again_at_the_next_start() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Queue), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    p.handle(ev::DeadLetterRefused { order: order, reason: "crash-loop", detail: "again".into() }, now);
+    p.handle(ev::DeadLetterRefused { order, reason: "crash-loop", detail: "again".into() }, now);
     assert!(effects(&mut p).is_empty());
     p.handle_timeout(now + DEAD_LETTER_RETRY);
     assert_eq!(p.next(now), Next::Retry(order), "tried again a second later");
@@ -219,12 +218,12 @@ fn unavailable_costs_no_attempt_up_to_the_ceiling() {
     let now = Instant::now();
     let mut p = partition(config(Discipline::Ordered), 1);
     let order = deliver_and_begin(&mut p, &[1], now)[0];
-    let first = p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now).expect("a wait");
-    let second = p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now).expect("a wait");
+    let first = p.handle(ev::Unavailable { order, reason: "down", sample: 0.5 }, now).expect("a wait");
+    let second = p.handle(ev::Unavailable { order, reason: "down", sample: 0.5 }, now).expect("a wait");
     assert_eq!((first, second), (UNAVAILABLE.wait(1, 0.5), UNAVAILABLE.wait(2, 0.5)));
     assert_eq!(p.held(order).map(|h| h.attempt), Some(1));
     assert_eq!(
-        p.handle(ev::Unavailable { order: order, reason: "down", sample: 0.5 }, now),
+        p.handle(ev::Unavailable { order, reason: "down", sample: 0.5 }, now),
         None,
         "the third is past the ceiling of two"
     );
