@@ -22,6 +22,16 @@ pub struct TimerChange {
 }
 
 impl TimerChange {
+    /// Armed (again) with the arming `id`, while processing the input at `at`.
+    pub fn armed(id: impl Into<String>, at: Option<u64>) -> Self {
+        Self { arming: Some(id.into()), at }
+    }
+
+    /// Cancelled while processing the input at `at`.
+    pub fn cancelled(at: Option<u64>) -> Self {
+        Self { arming: None, at }
+    }
+
     /// Whether the fire of `arming` at stream sequence `seq` is stale after this change.
     pub fn makes_stale(&self, arming: &str, seq: u64) -> bool {
         // Made while processing this fire, or after it: the fire runs again (a crash
@@ -60,26 +70,24 @@ impl TimerChange {
 mod tests {
     use super::*;
 
-    fn armed(id: &str, at: Option<u64>) -> TimerChange {
-        TimerChange { arming: Some(id.into()), at }
-    }
-
     #[test]
     fn a_fire_is_stale_after_another_arming_or_a_cancel_made_before_its_turn() {
-        assert!(!armed("a1", Some(3)).makes_stale("a1", 9), "its own arming is current");
-        assert!(armed("a2", Some(7)).makes_stale("a1", 9), "armed again before the fire's turn");
-        assert!(TimerChange { arming: None, at: Some(7) }.makes_stale("a1", 9), "cancelled before its turn");
-        assert!(armed("a2", None).makes_stale("a1", 9), "armed again in a hook: no position, before");
-        assert!(!armed("a2", Some(9)).makes_stale("a1", 9), "armed again by this fire's own hook: it ran");
-        assert!(!TimerChange { arming: None, at: Some(12) }.makes_stale("a1", 9), "cancelled after its turn");
+        assert!(!TimerChange::armed("a1", Some(3)).makes_stale("a1", 9), "its own arming is current");
+        assert!(TimerChange::armed("a2", Some(7)).makes_stale("a1", 9), "armed again before the fire's turn");
+        assert!(TimerChange::cancelled(Some(7)).makes_stale("a1", 9), "cancelled before its turn");
+        assert!(TimerChange::armed("a2", None).makes_stale("a1", 9), "armed again in a hook: no position, before");
+        assert!(!TimerChange::armed("a2", Some(9)).makes_stale("a1", 9), "armed again by this fire's own hook: it ran");
+        assert!(!TimerChange::cancelled(Some(12)).makes_stale("a1", 9), "cancelled after its turn");
     }
 
     #[test]
     fn records_read_back_as_written_and_anything_else_is_no_record() {
-        for change in [armed("0190b6a4-7d2c-7c3e-9a51-3f0e8b1c2d4e", Some(17)), armed("x", None)] {
+        for change in
+            [TimerChange::armed("0190b6a4-7d2c-7c3e-9a51-3f0e8b1c2d4e", Some(17)), TimerChange::armed("x", None)]
+        {
             assert_eq!(TimerChange::decode(&change.encode()), Some(change));
         }
-        let cancelled = TimerChange { arming: None, at: Some(4) };
+        let cancelled = TimerChange::cancelled(Some(4));
         assert_eq!(cancelled.encode(), Bytes::from("cancelled 4"));
         assert_eq!(TimerChange::decode(b"cancelled 4"), Some(cancelled));
         for bad in

@@ -106,7 +106,7 @@ impl Outputs {
             timer.headers.insert(headers::TRACEPARENT, tp.to_string());
         }
         self.shared().buffer.borrow_mut().push(timer);
-        self.timer_changed(key, partition, Change { arming: Some(id), at });
+        self.timer_changed(key, partition, Change::armed(id, at));
         Ok(())
     }
 
@@ -123,7 +123,7 @@ impl Outputs {
         tombstone.headers.insert(headers::KIND, headers::TIMER_CANCELLED);
         tombstone.headers.insert(headers::TIMER, name.to_owned());
         self.shared().buffer.borrow_mut().push(tombstone);
-        self.timer_changed(key, partition, Change { arming: None, at });
+        self.timer_changed(key, partition, Change::cancelled(at));
         Ok(())
     }
 
@@ -189,20 +189,16 @@ impl MisfireHeader {
 mod tests {
     use super::*;
 
-    fn armed(id: &str, at: Option<u64>) -> Change {
-        Change { arming: Some(id.into()), at }
-    }
-
     #[test]
     fn memory_is_per_tenure_and_bounded() {
         let armings = Armings::default();
-        armings.note("k".into(), 5, armed("a1", Some(3)));
-        assert_eq!(armings.known("k", 5), Some(armed("a1", Some(3))));
+        armings.note("k".into(), 5, Change::armed("a1", Some(3)));
+        assert_eq!(armings.known("k", 5), Some(Change::armed("a1", Some(3))));
         assert_eq!(armings.known("k", 6), None, "another tenure (lease epoch) does not trust it");
         armings.forget("k");
         assert_eq!(armings.known("k", 5), None);
         for i in 0..REMEMBERED + 1 {
-            armings.note(i.to_string(), 1, armed("a", None));
+            armings.note(i.to_string(), 1, Change::armed("a", None));
         }
         assert_eq!(armings.last.borrow().len(), 1, "past the bound it starts over");
     }

@@ -48,7 +48,7 @@ impl<T: Task> TaskWorker<T> {
                 self.abort_fenced(ctx);
                 return;
             }
-            if self.durable.as_ref().is_some_and(|d| d.changelog.is_none()) {
+            if self.durable.is_some() && !self.part.restored() {
                 // Restoring: nothing runs before the state is back.
                 if self.part.stopping() {
                     self.part.handle(ev::ReleaseAll { interrupted: true }, now());

@@ -97,7 +97,7 @@ impl<T: Task> TaskWorker<T> {
 
     /// [`hand_back`](Self::hand_back), a queue message coming again after `delay`.
     pub(super) fn hand_back_after(&mut self, d: &Delivery, interrupted: bool, delay: Option<Duration>) {
-        let Some(kind) = self.binding.discipline().release() else { return };
+        let Some(kind) = self.part.discipline().release() else { return };
         let kind = match kind {
             AckKind::Nak(None) => AckKind::Nak(delay),
             other => other,

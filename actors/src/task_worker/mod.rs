@@ -183,10 +183,6 @@ impl Binding {
         matches!(self.kind, StreamKind::Ordered { .. })
     }
 
-    fn discipline(&self) -> Discipline {
-        if self.ordered() { Discipline::Ordered } else { Discipline::Queue }
-    }
-
     /// The partition's lease is gone (or could not be renewed in time).
     fn fenced(&self) -> bool {
         self.fence.as_ref().is_some_and(|f| !f.valid())

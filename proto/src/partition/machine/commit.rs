@@ -248,23 +248,17 @@ impl<M: Delivered> Event<M> for InitRan {
 #[cfg(test)]
 mod tests {
     use super::super::event as ev;
-    use super::super::tests::{Msg, acks, config, deliver_and_begin, effects, partition};
+    use super::super::tests::{acks, complete, config, deliver_and_begin, effects, partition};
     use super::*;
     use crate::partition::AckKind;
     use crate::partition::intake::Discipline;
-
-    fn finish(p: &mut Partition<Msg>, order: u64, now: Instant) {
-        p.handle(ev::ReturnedOk(order), now);
-        p.handle(ev::CallbacksDone(order), now);
-        p.handle(ev::EffectsStored(order), now);
-    }
 
     #[test]
     fn without_stores_a_commit_acknowledges_the_committable_positions_at_once() {
         let now = Instant::now();
         let mut p = partition(config(Discipline::Ordered), 4);
         let orders = deliver_and_begin(&mut p, &[1, 2], now);
-        finish(&mut p, orders[0], now);
+        complete(&mut p, orders[0], now);
         match p.handle(CommitStarts(AfterCommit::Drive), now) {
             CommitPlan::Ack(positions, AfterCommit::Drive) => assert_eq!(positions.get(&0), Some(&orders[0])),
             other => panic!("expected an ack, got {other:?}"),
@@ -288,7 +282,7 @@ mod tests {
         p.set_durable(true);
         p.handle(Restored { position: 0, hooks: 0 }, now);
         let orders = deliver_and_begin(&mut p, &[1, 2, 3], now);
-        finish(&mut p, orders[0], now);
+        complete(&mut p, orders[0], now);
         // The second returned (its changes are applied) but its outputs are on their way.
         p.handle(ev::ReturnedOk(orders[1]), now);
         assert_eq!(p.handle(CommitStarts(AfterCommit::Drive), now), CommitPlan::Wait);
@@ -344,7 +338,7 @@ mod tests {
         assert_eq!(p.handle(HookStarted { init: false }, now), Some((7, 5)), "an init that changed state counts");
         // A hook at a later position starts again from 0, and the commit record counts it.
         let orders = deliver_and_begin(&mut p, &[8], now);
-        finish(&mut p, orders[0], now);
+        complete(&mut p, orders[0], now);
         assert_eq!(p.handle(HookStarted { init: false }, now), Some((8, 0)));
         assert_eq!(
             p.handle(CommitStarts(AfterCommit::Drive), now),

@@ -138,7 +138,7 @@ impl<M: Delivered> Event<M> for Ended {
 #[cfg(test)]
 mod tests {
     use super::super::event as ev;
-    use super::super::tests::{Msg, config, deliver_and_begin, effects, partition};
+    use super::super::tests::{Msg, complete, config, deliver_and_begin, effects, partition};
     use super::super::{CommitPlan, Effect};
     use super::*;
     use crate::partition::intake::Discipline;
@@ -161,9 +161,7 @@ mod tests {
             .collect();
         assert_eq!(handed, vec![2], "the one not started goes back");
         assert_eq!(p.stop_step(IDLE), StopStep::Wait, "the first still runs");
-        p.handle(ev::ReturnedOk(orders[0]), now);
-        p.handle(ev::CallbacksDone(orders[0]), now);
-        p.handle(ev::EffectsStored(orders[0]), now);
+        complete(&mut p, orders[0], now);
         assert_eq!(p.stop_step(StopFacts { outputs_in_flight: true, ..IDLE }), StopStep::Wait, "a hook's outputs");
         assert_eq!(p.stop_step(StopFacts { task_home: false, ..IDLE }), StopStep::Wait);
         assert_eq!(p.stop_step(IDLE), StopStep::Commit, "what finished is committed before shutdown");
@@ -186,9 +184,7 @@ mod tests {
         p.set_durable(true);
         p.handle(ev::Restored { position: 0, hooks: 0 }, now);
         let orders = deliver_and_begin(&mut p, &[1], now);
-        p.handle(ev::ReturnedOk(orders[0]), now);
-        p.handle(ev::CallbacksDone(orders[0]), now);
-        p.handle(ev::EffectsStored(orders[0]), now);
+        complete(&mut p, orders[0], now);
         p.handle(StopAsked, now);
         assert_eq!(p.stop_step(IDLE), StopStep::Commit);
         assert!(matches!(

@@ -69,6 +69,13 @@ fn credit(effects: &[Effect<Msg>]) -> usize {
     effects.iter().map(|e| if let Effect::Credit(n) = e { *n } else { 0 }).sum()
 }
 
+/// The held message at `order` returns `Ok`, its callbacks end and its outputs are stored.
+pub(super) fn complete(p: &mut Partition<Msg>, order: u64, now: Instant) {
+    p.handle(ev::ReturnedOk(order), now);
+    p.handle(ev::CallbacksDone(order), now);
+    p.handle(ev::EffectsStored(order), now);
+}
+
 /// Delivers `seqs` (first deliveries) and begins them all; returns their orders.
 pub(super) fn deliver_and_begin(p: &mut Partition<Msg>, seqs: &[u64], now: Instant) -> Vec<u64> {
     for &seq in seqs {
@@ -283,9 +290,7 @@ fn a_stop_hands_back_what_backs_off_and_then_blocks_a_commit_past_it_with_stores
     p.set_durable(true);
     let orders = deliver_and_begin(&mut p, &[1, 2], now);
     p.handle(ev::Failed { order: orders[0], reason: "flaky", sample: 0.5 }, now);
-    p.handle(ev::ReturnedOk(orders[1]), now);
-    p.handle(ev::CallbacksDone(orders[1]), now);
-    p.handle(ev::EffectsStored(orders[1]), now);
+    complete(&mut p, orders[1], now);
     effects(&mut p);
     assert_eq!(p.handle(ev::StopAsked, now), Some(1));
     match effects(&mut p).as_slice() {
