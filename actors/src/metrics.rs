@@ -186,14 +186,6 @@ impl Utilization {
 /// What the container measures per slot (an ordered partition or a queue input).
 #[derive(Clone)]
 pub struct SlotMetrics {
-    /// Messages handed to the worker.
-    pub envelopes: Counter,
-    /// Of those, redeliveries.
-    pub redeliveries: Counter,
-    /// Empty claims.
-    pub idle_polls: Counter,
-    /// Claimed and not finished.
-    pub pending: Gauge,
     /// Waiting in the broker.
     pub backlog: Gauge,
     /// Age of the oldest unacknowledged message, in seconds.
@@ -204,14 +196,7 @@ impl SlotMetrics {
     /// Handles for `stream` (and `partition`).
     pub fn new(stream: &str, partition: Option<u32>) -> Self {
         let l = labels(stream, partition);
-        Self {
-            envelopes: counter!(names::ENVELOPES, &l),
-            redeliveries: counter!(names::REDELIVERIES, &l),
-            idle_polls: counter!(names::IDLE_POLLS, &l),
-            pending: gauge!(names::PENDING, &l),
-            backlog: gauge!(names::BACKLOG, &l),
-            oldest_age: gauge!(names::OLDEST_AGE, &l),
-        }
+        Self { backlog: gauge!(names::BACKLOG, &l), oldest_age: gauge!(names::OLDEST_AGE, &l) }
     }
 }
 
@@ -225,6 +210,14 @@ pub struct TaskMetrics {
     pub in_flight: Gauge,
     /// Failed attempts.
     pub failed_attempts: Counter,
+    /// Messages claimed.
+    pub envelopes: Counter,
+    /// Of those, redeliveries.
+    pub redeliveries: Counter,
+    /// Empty claims.
+    pub idle_polls: Counter,
+    /// Claimed and not finished.
+    pub pending: Gauge,
     acks: [Counter; 4],
     /// Commit latency.
     pub commit: Histogram,
@@ -268,6 +261,10 @@ impl TaskMetrics {
             process: metrics::histogram!(names::PROCESS_SECONDS, &l),
             in_flight: gauge!(names::IN_FLIGHT, &l),
             failed_attempts: counter!(names::FAILED_ATTEMPTS, &l),
+            envelopes: counter!(names::ENVELOPES, &l),
+            redeliveries: counter!(names::REDELIVERIES, &l),
+            idle_polls: counter!(names::IDLE_POLLS, &l),
+            pending: gauge!(names::PENDING, &l),
             acks: [ack("ack"), ack("nak"), ack("term"), ack("in_progress")],
             commit: metrics::histogram!(names::COMMIT_SECONDS, &l),
             publish: metrics::histogram!(names::PUBLISH_SECONDS, &l),

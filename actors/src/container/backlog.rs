@@ -14,7 +14,7 @@ impl Container {
         let targets: Vec<(usize, String, Option<u32>, BacklogSource)> = self
             .slots
             .iter()
-            .filter(|(_, s)| !s.finished)
+            .filter(|(_, s)| s.live())
             .map(|(i, s)| {
                 let spec = &s.spec;
                 // An ordered partition's messages share its stream with the others'.
@@ -50,7 +50,7 @@ impl Container {
             act.backlog_check_running = false;
             // Only slots still running here report (one that ended meanwhile was zeroed).
             for (i, _, _, waiting, age) in &readings {
-                if let Some(s) = act.slots.get(i).filter(|s| !s.finished) {
+                if let Some(s) = act.slots.get(i).filter(|s| s.live()) {
                     s.metrics.backlog.set(*waiting as f64);
                     s.metrics.oldest_age.set(age.as_secs_f64());
                 }

@@ -73,13 +73,3 @@ pub struct SlotEnded {
     /// How its worker ended.
     pub outcome: crate::task_worker::Outcome,
 }
-
-/// A slot's claim came back (sent by the claim's own task).
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub(crate) struct Claimed {
-    /// The slot.
-    pub slot: usize,
-    /// What the claim brought.
-    pub result: flotilla_transport::broker::BrokerResult<Vec<flotilla_transport::broker::Delivery>>,
-}

@@ -1,29 +1,28 @@
 //! `Container`: the node's run loop for one job.
 //!
-//! It owns the task workers of the inputs this node consumes — one per ordered
-//! partition, one per queue input — and pulls for each only what its worker can take:
-//! for an ordered partition, up to the commit window of uncommitted messages; for a
-//! queue input, up to `max_concurrency` messages in flight, so the backlog stays in the
-//! broker. It routes claimed messages to the workers, tracks coordinator requests
-//! (a task's `shutdown(CurrentTask | AllTasksInContainer)`), applies the failure policy
-//! (fail the container, or restart the task), backs off with jitter while the broker
-//! is unreachable (keeping in-flight work, emitting `queue_unavailable`), watches the
-//! backlog (`degraded` after several high checks, `recovered` after), and has the
-//! reaper sweep queue inputs for stranded messages.
+//! It supervises the task workers of the inputs this node consumes — one per ordered
+//! partition, one per queue input — each of which pulls for itself only what it can
+//! take (for an ordered partition, up to the commit window of uncommitted messages;
+//! for a queue input, up to `max_concurrency` messages in flight, so the backlog stays
+//! in the broker; see `task_worker/pull.rs`). The container starts them, tracks
+//! coordinator requests (a task's `shutdown(CurrentTask | AllTasksInContainer)`),
+//! applies the failure policy (fail the container, or restart the task), forwards an
+//! operator's pause and step, watches the backlog (`degraded` after several high
+//! checks, `recovered` after), and has the reaper sweep queue inputs for stranded
+//! messages.
 //!
 //! Supervision: started by the job runner; when it exits it reports a
 //! [`ContainerExit`] through the channel it was given and stops.
 
 mod backlog;
-mod claims;
 mod messages;
 mod slot;
 mod supervision;
 #[cfg(test)]
 mod tests;
 
-use messages::Claimed;
 pub use messages::{AddSlot, ContainerExit, ReleaseSlot, SetPaused, SlotEnded, Snapshot, StepSlot, StopContainer};
+use slot::{Run, Slot};
 pub use slot::{SlotContext, SlotSpec, SpawnWorker, WorkerHandle};
 
 use crate::config::FailurePolicy;
@@ -31,89 +30,15 @@ use crate::events::{Event, emit};
 use crate::metrics::{SlotMetrics, Utilization};
 use crate::reaper::{Reaper, Sweep};
 use crate::state::{CoordinatorRequests, ShutdownScope};
-use crate::task_worker::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
+use crate::task_worker::{ClaimCounts, Outcome, Source, StopWorker, WorkerControl, WorkerReport};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
 use flotilla_transport::broker::SharedBroker;
 use flotilla_transport::wire::Subjects;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
 use tracing::{info, warn};
-
-struct Slot {
-    spec: SlotSpec,
-    worker: Option<WorkerHandle>,
-    outstanding: usize,
-    claiming: bool,
-    /// The task of the claim out, if any (aborted when the container stops).
-    claim_task: Option<tokio::task::JoinHandle<()>>,
-    /// Claims in a row that came back empty (the next one waits longer).
-    empty_claims: u32,
-    finished: bool,
-    failures: u32,
-    backoff_until: Option<tokio::time::Instant>,
-    /// Restarts since the task last finished a message.
-    restarts: u32,
-    /// The failed task waits for a restart (`Tick::Restart`).
-    restart_pending: bool,
-    /// The restart is resetting the partition's consumer.
-    resetting: bool,
-    /// Resets in a row that failed (the next waits longer; no worker starts meanwhile).
-    reset_failures: u32,
-    /// The restart under way follows a lost delivery ([`Outcome::Resync`]) or a restore
-    /// ([`Outcome::Restore`]), not a failure.
-    resyncing: bool,
-    /// Restores since the task last finished a message (the next waits longer).
-    restores: u32,
-    /// The messages that forced restores (their stream sequences), and how many each
-    /// (those the partition has committed past are dropped at each restart).
-    blamed: Vec<(u64, u32)>,
-    /// The worker was told to stop: claim nothing more for it.
-    stopping: bool,
-    /// Its task asked to shut down (`ShutdownScope::CurrentTask`) on a node of a
-    /// cluster: the partition is done for this run, as at its end of stream.
-    asked_to_end: bool,
-    paused: bool,
-    step_credits: u32,
-    deliveries: u64,
-    redeliveries: u64,
-    /// The worker ended while a claim was out: tell the observer when it returns (so
-    /// the next owner never competes with this node's outstanding pull).
-    ended: Option<Outcome>,
-    metrics: SlotMetrics,
-}
-
-impl Slot {
-    fn new(spec: SlotSpec) -> Self {
-        let paused = spec.paused;
-        Self {
-            metrics: SlotMetrics::new(&spec.stream, spec.partition),
-            spec,
-            worker: None,
-            outstanding: 0,
-            claiming: false,
-            claim_task: None,
-            empty_claims: 0,
-            finished: false,
-            failures: 0,
-            backoff_until: None,
-            restarts: 0,
-            restart_pending: false,
-            resetting: false,
-            reset_failures: 0,
-            resyncing: false,
-            restores: 0,
-            blamed: Vec::new(),
-            stopping: false,
-            asked_to_end: false,
-            paused,
-            step_credits: 0,
-            deliveries: 0,
-            redeliveries: 0,
-            ended: None,
-        }
-    }
-}
 
 /// Container settings.
 #[derive(Debug, Clone)]
@@ -238,14 +163,11 @@ impl Container {
         self
     }
 
-    /// Tells the observer (cluster mode) that slot `i` ended, once no claim is out.
+    /// Tells the observer (cluster mode) that slot `i` ended (its worker reports its end
+    /// once its last claim is back).
     fn report_ended(&mut self, i: usize, outcome: Outcome) {
         let Some(observer) = &self.observer else { return };
-        let Some(s) = self.slots.get_mut(&i) else { return };
-        if s.claiming {
-            s.ended = Some(outcome);
-            return;
-        }
+        let Some(s) = self.slots.get(&i) else { return };
         observer.do_send(SlotEnded { slot: i, stream: s.spec.stream.clone(), partition: s.spec.partition, outcome });
         // Its end is reported and nothing of it is out: free it.
         self.slots.remove(&i);
@@ -259,16 +181,20 @@ impl Container {
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
             start: slot.spec.start.clone(),
+            source: Source {
+                js_stream: slot.spec.js_stream.clone(),
+                consumer: slot.spec.consumer.clone(),
+                rules: flotilla_proto::partition::machine::ClaimRules {
+                    capacity: slot.spec.capacity,
+                    wait: self.config.claim_wait,
+                    idle_wait: self.config.idle_claim_wait,
+                },
+            },
+            paused: slot.paused,
+            counts: slot.counts.clone(),
         });
-        if slot.paused {
-            handle.control.do_send(WorkerControl::Pause);
-        }
-        slot.worker = Some(handle);
-        slot.outstanding = 0;
-        slot.finished = false;
-        slot.stopping = false;
-        // A shutdown request belonged to the worker that made it.
-        slot.asked_to_end = false;
+        // (A shutdown request belonged to the worker that made it.)
+        slot.run = Run::Running(handle);
     }
 }
 
@@ -285,29 +211,6 @@ impl Actor for Container {
         if self.slots.values().any(|s| s.spec.sweep) {
             self.timers.do_send(Every { period: self.config.sweep_interval, target: me, tick: Tick::Sweep });
         }
-        self.pump(ctx);
-    }
-
-    fn stopped(&mut self, _: &mut Context<Self>) {
-        // A claim that outlived the container would take messages nobody handles (they
-        // would wait for ack-wait): end them with it.
-        for slot in self.slots.values_mut() {
-            if let Some(task) = slot.claim_task.take() {
-                task.abort();
-            }
-        }
-    }
-}
-
-impl Handler<Claimed> for Container {
-    type Result = ();
-
-    fn handle(&mut self, Claimed { slot, result }: Claimed, ctx: &mut Context<Self>) {
-        if !self.slots.contains_key(&slot) {
-            return;
-        }
-        self.claimed(slot, result, ctx);
-        self.pump_slot(slot, ctx);
     }
 }
 
@@ -315,16 +218,9 @@ impl Handler<WorkerReport> for Container {
     type Result = ();
 
     fn handle(&mut self, report: WorkerReport, ctx: &mut Context<Self>) {
-        let slot = match &report {
-            WorkerReport::Completed { slot, .. }
-            | WorkerReport::ShutdownRequested { slot, .. }
-            | WorkerReport::Finished { slot, .. } => *slot,
-        };
         match report {
-            WorkerReport::Completed { slot, count } => {
+            WorkerReport::Progressed { slot } => {
                 if let Some(s) = self.slots.get_mut(&slot) {
-                    s.outstanding = s.outstanding.saturating_sub(count);
-                    s.metrics.pending.set(s.outstanding as f64);
                     s.restarts = 0;
                     s.restores = 0;
                 }
@@ -337,106 +233,15 @@ impl Handler<WorkerReport> for Container {
                     self.stop_all(ctx);
                 } else if scope == ShutdownScope::CurrentTask
                     && let Some(s) = self.slots.get_mut(&slot)
-                    && let Some(w) = s.worker.as_ref()
                 {
-                    s.stopping = true;
                     // In a cluster the request outlives this node: the partition is done
                     // for the run, and the run ends once every partition is.
-                    s.asked_to_end = s.spec.partition.is_some();
-                    w.stop.do_send(StopWorker);
+                    let asked_to_end = s.spec.partition.is_some();
+                    s.stop_worker(asked_to_end);
                 }
             }
-            WorkerReport::Finished { slot, outcome } => {
-                let outcome_copy = outcome.clone();
-                let Some(s) = self.slots.get_mut(&slot) else { return };
-                s.finished = true;
-                s.outstanding = 0;
-                // What this node no longer runs, it no longer reports.
-                s.metrics.pending.set(0.0);
-                s.metrics.backlog.set(0.0);
-                s.metrics.oldest_age.set(0.0);
-                match outcome {
-                    Outcome::Failed(reason) if !self.stopping => match s.spec.policy {
-                        FailurePolicy::FailContainer => {
-                            self.failure = Some(format!(
-                                "task {} partition {:?} failed: {reason}",
-                                s.spec.stream, s.spec.partition
-                            ));
-                            self.stop_all(ctx);
-                        }
-                        FailurePolicy::RestartTask => {
-                            // Back off exponentially, so a message that fails the task
-                            // every time does not restart it in a tight loop.
-                            s.restarts += 1;
-                            s.worker = None;
-                            s.restart_pending = true;
-                            let delay = crate::retry::TASK_RESTART.wait(s.restarts, crate::retry::sample());
-                            warn!(stream = %s.spec.stream, partition = s.spec.partition, %reason, restarts = s.restarts, ?delay, "restarting the failed task");
-                            self.timers.do_send(After {
-                                delay,
-                                target: ctx.address().recipient(),
-                                tick: Tick::Restart(slot),
-                            });
-                        }
-                    },
-                    Outcome::Resync(reason) if !self.stopping && !s.stopping => {
-                        // Not a failure: reset the partition at once and go on.
-                        info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, "resetting the partition to its committed position");
-                        s.worker = None;
-                        s.restart_pending = true;
-                        s.resyncing = true;
-                        self.restart(slot, ctx);
-                    }
-                    Outcome::Restore { reason, blame } if !self.stopping && !s.stopping => {
-                        // Not a failure either, but one that repeats backs off, and the
-                        // message that forces it has the restore counted as an attempt.
-                        s.restores += 1;
-                        if let Some(seq) = blame {
-                            match s.blamed.iter_mut().find(|(at, _)| *at == seq) {
-                                Some((_, n)) => *n += 1,
-                                None => s.blamed.push((seq, 1)),
-                            }
-                        }
-                        s.worker = None;
-                        s.restart_pending = true;
-                        s.resyncing = true;
-                        let delay = match s.restores {
-                            1 => Duration::ZERO,
-                            n => crate::retry::RESTORE.wait(n - 1, crate::retry::sample()),
-                        };
-                        info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, ?blame, restores = s.restores, ?delay, "restoring the partition from its last commit");
-                        self.timers.do_send(After {
-                            delay,
-                            target: ctx.address().recipient(),
-                            tick: Tick::Restart(slot),
-                        });
-                    }
-                    Outcome::Drained | Outcome::EndOfStream if self.observer.is_none() => {
-                        self.requests.request(slot, ShutdownScope::CurrentTask);
-                        if self.requests.should_shutdown() {
-                            self.stop_all(ctx);
-                        }
-                    }
-                    _ => {}
-                }
-                let restarting = self.slots.get(&slot).is_some_and(|s| s.worker.is_none()) && !self.stopping;
-                let asked_to_end = self.slots.get(&slot).is_some_and(|s| s.asked_to_end);
-                let outcome_copy = match outcome_copy {
-                    Outcome::Stopped if asked_to_end => {
-                        info!(slot, "the task asked to shut down: its partition is done for this run");
-                        Outcome::EndOfStream
-                    }
-                    other => other,
-                };
-                if !restarting {
-                    self.report_ended(slot, outcome_copy);
-                }
-                if self.stopping {
-                    self.maybe_exit(ctx);
-                }
-            }
+            WorkerReport::Finished { slot, outcome } => self.worker_finished(slot, outcome, ctx),
         }
-        self.pump_slot(slot, ctx);
     }
 }
 
@@ -451,7 +256,9 @@ impl Handler<AddSlot> for Container {
         self.next_slot += 1;
         info!(stream = %spec.stream, partition = spec.partition, epoch = spec.epoch, "consuming a partition");
         let mut slot = Slot::new(spec);
-        slot.finished = self.stopping;
+        if self.stopping {
+            slot.run = Run::Ended;
+        }
         self.slots.insert(i, slot);
         if self.stopping {
             // Too late to start: report it ended, so its lease is released.
@@ -459,7 +266,6 @@ impl Handler<AddSlot> for Container {
             return Some(i);
         }
         self.spawn_worker(i, ctx);
-        self.pump_slot(i, ctx);
         Some(i)
     }
 }
@@ -469,25 +275,22 @@ impl Handler<ReleaseSlot> for Container {
 
     fn handle(&mut self, ReleaseSlot(i): ReleaseSlot, _: &mut Context<Self>) {
         let Some(s) = self.slots.get_mut(&i) else { return };
-        if s.restart_pending {
-            // The failed task waits for a restart: nothing runs, so it ends now and the
-            // restart is cancelled (the lease goes to whoever takes it next).
-            info!(stream = %s.spec.stream, partition = s.spec.partition, "handing over a partition whose task waits for a restart");
-            s.restart_pending = false;
-            s.stopping = true;
-            s.finished = true;
-            if !s.resetting {
-                // (A reset in flight reports it when it returns.)
-                self.report_ended(i, Outcome::Stopped);
+        match s.run {
+            Run::Waiting { resetting, .. } => {
+                // The task waits for a restart: nothing runs, so it ends now and the
+                // restart is cancelled (the lease goes to whoever takes it next).
+                info!(stream = %s.spec.stream, partition = s.spec.partition, "handing over a partition whose task waits for a restart");
+                s.run = Run::Ended;
+                if !resetting {
+                    // (A reset in flight reports it when it returns.)
+                    self.report_ended(i, Outcome::Stopped);
+                }
             }
-            return;
-        }
-        if !s.finished && !s.stopping {
-            info!(stream = %s.spec.stream, partition = s.spec.partition, "handing a partition over");
-            s.stopping = true;
-            if let Some(w) = &s.worker {
-                w.stop.do_send(StopWorker);
+            Run::Running(_) => {
+                info!(stream = %s.spec.stream, partition = s.spec.partition, "handing a partition over");
+                s.stop_worker(false);
             }
+            Run::Stopping { .. } | Run::Ended => {}
         }
     }
 }
@@ -495,33 +298,28 @@ impl Handler<ReleaseSlot> for Container {
 impl Handler<SetPaused> for Container {
     type Result = ();
 
-    fn handle(&mut self, msg: SetPaused, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: SetPaused, _: &mut Context<Self>) {
         if let Some(s) = self.slots.get_mut(&msg.slot)
             && s.paused != msg.paused
         {
             s.paused = msg.paused;
-            s.step_credits = 0;
-            if let Some(w) = &s.worker {
+            if let Some(w) = s.worker() {
                 w.control.do_send(if msg.paused { WorkerControl::Pause } else { WorkerControl::Resume });
             }
         }
-        self.pump_slot(msg.slot, ctx);
     }
 }
 
 impl Handler<StepSlot> for Container {
     type Result = ();
 
-    fn handle(&mut self, StepSlot(i): StepSlot, ctx: &mut Context<Self>) {
-        if let Some(s) = self.slots.get_mut(&i)
+    fn handle(&mut self, StepSlot(i): StepSlot, _: &mut Context<Self>) {
+        if let Some(s) = self.slots.get(&i)
             && s.paused
+            && let Some(w) = s.worker()
         {
-            s.step_credits += 1;
-            if let Some(w) = &s.worker {
-                w.control.do_send(WorkerControl::Step);
-            }
+            w.control.do_send(WorkerControl::Step);
         }
-        self.pump_slot(i, ctx);
     }
 }
 
@@ -532,16 +330,16 @@ impl Handler<Snapshot> for Container {
         MessageResult(
             self.slots
                 .values()
-                .filter(|s| !s.finished)
+                .filter(|s| s.live())
                 .map(|s| crate::cluster::SlotStatus {
                     stream: s.spec.stream.clone(),
                     partition: s.spec.partition,
                     epoch: s.spec.epoch,
-                    in_flight: s.outstanding as u64,
-                    deliveries: s.deliveries,
-                    redeliveries: s.redeliveries,
+                    in_flight: s.counts.in_flight(),
+                    deliveries: s.counts.deliveries(),
+                    redeliveries: s.counts.redeliveries(),
                     paused: s.paused,
-                    state: if s.stopping { "stopping" } else { "running" }.to_owned(),
+                    state: if matches!(s.run, Run::Stopping { .. }) { "stopping" } else { "running" }.to_owned(),
                 })
                 .collect(),
         )
@@ -562,11 +360,10 @@ impl Handler<Tick> for Container {
 
     fn handle(&mut self, tick: Tick, ctx: &mut Context<Self>) {
         match tick {
-            Tick::Resume => {}
             Tick::Restart(slot) => self.restart(slot, ctx),
             Tick::Backlog => self.check_backlog(ctx),
             Tick::Sweep => {
-                for s in self.slots.values().filter(|s| s.spec.sweep && !s.finished) {
+                for s in self.slots.values().filter(|s| s.spec.sweep && s.live()) {
                     let sweep = Sweep {
                         stream: s.spec.stream.clone(),
                         js_stream: s.spec.js_stream.clone(),
@@ -582,6 +379,5 @@ impl Handler<Tick> for Container {
             }
             _ => {}
         }
-        self.pump(ctx);
     }
 }

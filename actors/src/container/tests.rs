@@ -1,4 +1,3 @@
-use super::claims::claim_wait_after;
 use super::*;
 
 /// How many slots the container holds (tests).
@@ -14,23 +13,13 @@ impl Handler<SlotCount> for Container {
     }
 }
 
-#[test]
-fn idle_claims_wait_longer_up_to_the_idle_wait() {
-    let (base, idle) = (Duration::from_secs(1), Duration::from_secs(5));
-    let waits: Vec<u64> = (0..6).map(|n| claim_wait_after(n, base, idle).as_secs()).collect();
-    assert_eq!(waits, [1, 2, 4, 5, 5, 5]);
-    assert_eq!(claim_wait_after(u32::MAX, base, idle), idle, "no overflow");
-    // Cluster mode: the idle wait is the claim wait.
-    assert_eq!(claim_wait_after(7, base, base), base);
-    // An idle wait below the claim wait never shortens it.
-    assert_eq!(claim_wait_after(3, base, Duration::from_millis(10)), base);
-}
-
-/// A worker that takes nothing and stops when told (or fails at once).
+/// A worker that takes nothing and stops when told, ending as `stops_as` (or fails at
+/// once).
 struct Idle {
     slot: usize,
     container: Recipient<WorkerReport>,
     fail: bool,
+    stops_as: Outcome,
 }
 impl Actor for Idle {
     type Context = Context<Self>;
@@ -41,10 +30,6 @@ impl Actor for Idle {
         }
     }
 }
-impl Handler<Deliver> for Idle {
-    type Result = ();
-    fn handle(&mut self, _: Deliver, _: &mut Context<Self>) {}
-}
 impl Handler<WorkerControl> for Idle {
     type Result = ();
     fn handle(&mut self, _: WorkerControl, _: &mut Context<Self>) {}
@@ -52,7 +37,7 @@ impl Handler<WorkerControl> for Idle {
 impl Handler<StopWorker> for Idle {
     type Result = ();
     fn handle(&mut self, _: StopWorker, ctx: &mut Context<Self>) {
-        self.container.do_send(WorkerReport::Finished { slot: self.slot, outcome: Outcome::Stopped });
+        self.container.do_send(WorkerReport::Finished { slot: self.slot, outcome: self.stops_as.clone() });
         ctx.stop();
     }
 }
@@ -91,12 +76,9 @@ async fn slots_of_released_partitions_are_freed() {
             fence: Some(fence),
             paused,
             spawn: Box::new(|sc: SlotContext| {
-                let idle = Idle { slot: sc.slot, container: sc.container, fail: false }.start();
-                WorkerHandle {
-                    deliver: idle.clone().recipient(),
-                    stop: idle.clone().recipient(),
-                    control: idle.recipient(),
-                }
+                let idle =
+                    Idle { slot: sc.slot, container: sc.container, fail: false, stops_as: Outcome::Stopped }.start();
+                WorkerHandle { stop: idle.clone().recipient(), control: idle.recipient() }
             }),
         })
     });
@@ -155,12 +137,9 @@ async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
             paused,
             spawn: Box::new(move |sc: SlotContext| {
                 counted.set(counted.get() + 1);
-                let idle = Idle { slot: sc.slot, container: sc.container, fail: true }.start();
-                WorkerHandle {
-                    deliver: idle.clone().recipient(),
-                    stop: idle.clone().recipient(),
-                    control: idle.recipient(),
-                }
+                let idle =
+                    Idle { slot: sc.slot, container: sc.container, fail: true, stops_as: Outcome::Stopped }.start();
+                WorkerHandle { stop: idle.clone().recipient(), control: idle.recipient() }
             }),
         })
     });
@@ -181,4 +160,61 @@ async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
     }
     assert!(ended.lock().expect("lock").contains(&id), "the partition was never handed back");
     assert_eq!(starts.get(), 1, "no worker started after a failed reset");
+}
+
+/// Cluster mode: a partition being handed over whose worker fails on its way out ends
+/// (its lease goes) instead of restarting: a worker told to stop is never restarted.
+#[actix_rt::test]
+async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
+    tokio::time::pause();
+    let broker = flotilla_transport::EmbeddedBroker::new().shared();
+    let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
+    let timers = TimerService::default().start();
+    let reaper = Reaper::new(broker.clone(), subjects.clone()).start();
+    let starts = std::rc::Rc::new(std::cell::Cell::new(0));
+    let counted = starts.clone();
+    let factory: PartitionFactory = std::rc::Rc::new(move |stream: &str, p, epoch, fence, paused| {
+        let counted = counted.clone();
+        Some(SlotSpec {
+            stream: stream.to_owned(),
+            partition: Some(p),
+            js_stream: "FLOTILLA_j_in".into(),
+            consumer: format!("in-p{p}"),
+            capacity: 1,
+            policy: FailurePolicy::RestartTask,
+            sweep: false,
+            takeover: None,
+            start: None,
+            epoch,
+            fence: Some(fence),
+            paused,
+            spawn: Box::new(move |sc: SlotContext| {
+                counted.set(counted.get() + 1);
+                let stops_as = Outcome::Failed("failed on the way out".into());
+                let idle = Idle { slot: sc.slot, container: sc.container, fail: false, stops_as }.start();
+                WorkerHandle { stop: idle.clone().recipient(), control: idle.recipient() }
+            }),
+        })
+    });
+    let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let observer = Ends(ended.clone()).start();
+    let (tx, _rx) = oneshot::channel();
+    let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
+        .observed_by(observer.recipient(), factory)
+        .start();
+    let fence = crate::fence::Fence::until(tokio::time::Instant::now() + Duration::from_secs(3600));
+    let add = AddSlot { stream: "in".into(), partition: 0, epoch: 1, fence, paused: false, start: None };
+    let id = container.send(add).await.expect("container").expect("a slot");
+    container.send(ReleaseSlot(id)).await.expect("container");
+    for _ in 0..600 {
+        if ended.lock().expect("lock").contains(&id) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(ended.lock().expect("lock").contains(&id), "the partition was never handed back");
+    // Longer than any restart back-off.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(starts.get(), 1, "a worker told to stop was restarted");
+    assert_eq!(container.send(SlotCount).await.expect("container"), 0, "the slot is gone");
 }

@@ -198,14 +198,8 @@ impl Job {
             let task = factory(binding.partition);
             let set = crate::store::StoreSet::new(&makers.borrow(), env.codec)
                 .with_max_payload(env.broker.server().max_payload);
-            let worker = TaskWorker::new(task, env, binding, settings, sc.container, sc.timers, sc.reaper)
-                .with_stores(set)
-                .start();
-            WorkerHandle {
-                deliver: worker.clone().recipient(),
-                stop: worker.clone().recipient(),
-                control: worker.recipient(),
-            }
+            let worker = TaskWorker::new(task, env, binding, settings, sc).with_stores(set).start();
+            WorkerHandle { stop: worker.clone().recipient(), control: worker.recipient() }
         });
         self.tasks.push(TaskEntry {
             stream: input.name(),

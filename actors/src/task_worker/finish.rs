@@ -150,6 +150,7 @@ impl<T: Task> TaskWorker<T> {
         self.send_batched(ctx);
         // Nothing runs here any more (a fenced or released worker leaves counts behind).
         self.metrics.in_flight.set(0.0);
+        self.metrics.pending.set(0.0);
         // Handing an ordered partition over: the next owner resets its consumer at the
         // ack floor it reads, so the last commit must have reached the broker before
         // the lease goes (re-acking the same ack-all is idempotent).
@@ -167,8 +168,8 @@ impl<T: Task> TaskWorker<T> {
         let flush = self.env.broker.flush();
         let releases = std::mem::take(&mut self.releases);
         let (stream, partition) = (self.binding.stream, self.binding.partition);
+        let at_end = self.claim_at_end(&outcome);
         let report = WorkerReport::Finished { slot: self.binding.slot, outcome };
-        let container = self.container.clone();
         ctx.spawn(
             async move {
                 // Hand-backs counted and sent first: the process may exit once it hears.
@@ -192,10 +193,9 @@ impl<T: Task> TaskWorker<T> {
                         "hand-backs and the last commit not confirmed within {FINISH_BUDGET:?} (the broker does not answer): the next owner may process those messages again"
                     ),
                 }
-                container.do_send(report);
             }
             .into_actor(self)
-            .map(|(), _, ctx| ctx.stop()),
+            .map(move |(), act, ctx| act.end_reported(report, at_end, ctx)),
         );
     }
 

@@ -1,11 +1,5 @@
 use crate::state::ShutdownScope;
 use actix::prelude::*;
-use flotilla_transport::broker::Delivery;
-
-/// Claimed messages for the worker (from the container).
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Deliver(pub Vec<Delivery>);
 
 /// Stop the worker gracefully: hand back what has not started, finish what has (up to
 /// the drain timeout), commit, run the `shutdown` hook, report [`Outcome::Stopped`].
@@ -59,12 +53,11 @@ pub enum Outcome {
 #[derive(Debug, Clone, PartialEq, Eq, Message)]
 #[rtype(result = "()")]
 pub enum WorkerReport {
-    /// `count` delivered messages are finished (acked or committed): claim more.
-    Completed {
+    /// The worker finished its first message (its restarts and restores before it are
+    /// forgiven). Sent once per worker.
+    Progressed {
         /// The worker's slot in the container.
         slot: usize,
-        /// How many.
-        count: usize,
     },
     /// The task asked to shut down.
     ShutdownRequested {

@@ -51,6 +51,7 @@ mod effects;
 mod finish;
 mod hooks;
 mod messages;
+mod pull;
 mod released;
 mod stores;
 mod suspects;
@@ -58,7 +59,8 @@ pub(crate) mod timers;
 pub use released::{RELEASE_ALLOWANCE, RELEASED, RELEASED_TTL};
 pub use timers::{ARMINGS, ARMINGS_TTL};
 
-pub use messages::{Deliver, Outcome, StopWorker, WorkerControl, WorkerReport};
+pub use messages::{Outcome, StopWorker, WorkerControl, WorkerReport};
+pub use pull::{ClaimCounts, Source};
 
 use crate::config::TaskConfig;
 use crate::events::{Event, emit};
@@ -77,7 +79,7 @@ use flotilla_proto::partition::machine::{
     self, AfterCommit, CommitPlan, Delivered, Effect, Finished, Held, Next, Partition, Route, StopFacts, StopStep,
     event as ev,
 };
-use flotilla_transport::broker::{AckKind, AckToken, BrokerError, Delivery, ErrorClass, OutboundMessage};
+use flotilla_transport::broker::{AckKind, AckToken, BrokerError, BrokerResult, Delivery, ErrorClass, OutboundMessage};
 use flotilla_transport::wire::{MessageId, MessageKind, headers};
 use futures::future::LocalBoxFuture;
 use std::cell::RefCell;
@@ -296,6 +298,14 @@ pub struct TaskWorker<T: Task> {
     part: Partition<Msg>,
     env: Rc<TaskEnv>,
     binding: Binding,
+    /// Where it claims from.
+    source: Source,
+    /// What `status` shows of its claims.
+    counts: Arc<ClaimCounts>,
+    /// The claim out, if any (aborted if the worker stops before it is back).
+    claim_task: Option<tokio::task::JoinHandle<()>>,
+    /// Where its end's report stands while its last claim is out.
+    end: pull::EndReport,
     config: Rc<TaskConfig>,
     container: Recipient<WorkerReport>,
     timers: Addr<TimerService>,
@@ -312,8 +322,8 @@ pub struct TaskWorker<T: Task> {
     publishing: bool,
     /// Acknowledgements queued during this turn.
     acks: Vec<(AckToken, AckKind)>,
-    /// Messages finished during this turn, not yet reported to the container.
-    completed: usize,
+    /// The container heard that this worker finished a message.
+    progressed: bool,
     /// The deadline the last [`Tick::Deadline`] on its way was armed for.
     tick_at: Option<std::time::Instant>,
     /// Output batches published and not yet stored (or given up).
@@ -355,9 +365,7 @@ impl<T: Task> TaskWorker<T> {
         env: Rc<TaskEnv>,
         binding: Binding,
         settings: Settings,
-        container: Recipient<WorkerReport>,
-        timers: Addr<TimerService>,
-        reaper: Addr<Reaper>,
+        slot: crate::container::SlotContext,
     ) -> Self {
         let config = settings.config;
         let state = TaskState::new([0], config.max_concurrency, config.async_commit, env.run_id.clone());
@@ -370,6 +378,10 @@ impl<T: Task> TaskWorker<T> {
             part.set_blamed(start.blamed.clone());
         }
         part.set_suspects(suspects);
+        part.set_claims(slot.source.rules);
+        if slot.paused {
+            part.handle(ev::Paused, now());
+        }
         Self {
             metrics,
             commit_started: None,
@@ -377,10 +389,14 @@ impl<T: Task> TaskWorker<T> {
             part,
             env,
             binding,
+            source: slot.source,
+            counts: slot.counts,
+            claim_task: None,
+            end: pull::EndReport::Finishing,
             config,
-            container,
-            timers,
-            reaper,
+            container: slot.container,
+            timers: slot.timers,
+            reaper: slot.reaper,
             lane: None,
             releases: Vec::new(),
             due_timers: Vec::new(),
@@ -388,7 +404,7 @@ impl<T: Task> TaskWorker<T> {
             publish_queue: VecDeque::new(),
             publishing: false,
             acks: Vec::new(),
-            completed: 0,
+            progressed: false,
             tick_at: None,
             flushes_in_flight: 0,
             durable: None,
@@ -429,7 +445,11 @@ impl<T: Task> TaskWorker<T> {
             match effect {
                 Effect::Acks(batch) if self.acks.is_empty() => self.acks = batch,
                 Effect::Acks(batch) => self.acks.extend(batch),
-                Effect::Credit(count) => self.completed += count,
+                Effect::Credit(_) if self.progressed => {}
+                Effect::Credit(_) => {
+                    self.progressed = true;
+                    self.report(WorkerReport::Progressed { slot: self.binding.slot });
+                }
                 Effect::DeadLetter { order, reason, detail, attempts } => {
                     self.send_dead_letter(order, reason, detail, attempts, ctx);
                 }
@@ -438,8 +458,8 @@ impl<T: Task> TaskWorker<T> {
         }
     }
 
-    /// Sends the acknowledgements and the completion count queued during this turn:
-    /// one broker operation and one container message, however many messages finished.
+    /// Sends the acknowledgements queued during this turn (one broker operation however
+    /// many messages finished) and claims what there is room for now.
     fn send_batched(&mut self, ctx: &mut Context<Self>) {
         self.perform(ctx);
         if !self.acks.is_empty() {
@@ -463,10 +483,8 @@ impl<T: Task> TaskWorker<T> {
             });
         }
         self.metrics.in_flight.set(self.part.readiness().in_flight() as f64);
-        if self.completed > 0 {
-            let count = std::mem::take(&mut self.completed);
-            self.report(WorkerReport::Completed { slot: self.binding.slot, count });
-        }
+        self.count_claims();
+        self.pump(ctx);
     }
 
     fn context(&self, meta: Option<MessageMeta>) -> TaskContext {
@@ -485,21 +503,31 @@ impl<T: Task> Actor for TaskWorker<T> {
         if let Some(every) = self.config.window_interval {
             self.timers.do_send(Every { period: every, target: me.clone(), tick: Tick::Window });
         }
+        // Claimed messages wait in the machine while the state is restored.
+        self.pump(ctx);
         if self.durable.is_some() {
             self.restore(ctx);
             return;
         }
         self.run_hook(Hook::Init, ctx);
     }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        // A claim that outlived the worker would take messages nobody handles (they
+        // would wait for ack-wait).
+        if let Some(task) = self.claim_task.take() {
+            task.abort();
+        }
+    }
 }
 
-impl<T: Task> Handler<Deliver> for TaskWorker<T> {
-    type Result = ();
-
-    fn handle(&mut self, msg: Deliver, ctx: &mut Context<Self>) {
+impl<T: Task> TaskWorker<T> {
+    /// Takes what a claim brought into the machine (an ordered partition's deliveries
+    /// checked against its consumer's sequence first).
+    fn take(&mut self, batch: Vec<Delivery>, ctx: &mut Context<Self>) {
         let now = now();
         let mut dropped = 0;
-        for d in msg.0 {
+        for d in batch {
             if self.part.stopping() || self.part.ended() {
                 self.hand_back(&d, true);
                 dropped += 1;
@@ -542,7 +570,6 @@ impl<T: Task> Handler<Deliver> for TaskWorker<T> {
             self.part.handle(ev::Arrived { kind, msg: Msg { delivery: d, trace: None } }, now);
         }
         self.part.handle(ev::Dropped(dropped), now);
-        self.drive(ctx);
     }
 }
 

@@ -229,7 +229,11 @@ pub struct Partition<M: Delivered> {
     effects: VecDeque<Effect<M>>,
     /// Acknowledgements decided since the last poll.
     acks: Vec<(M::Token, AckKind)>,
+    /// Messages finished (or dropped, or handed back) since the last poll: the claim
+    /// credit [`Effect::Credit`] reports.
     credit: usize,
+    /// What the worker claims next.
+    pull: pull::Pull,
 }
 
 impl<M: Delivered> Partition<M> {
@@ -258,6 +262,7 @@ impl<M: Delivered> Partition<M> {
             effects: VecDeque::new(),
             acks: Vec::new(),
             credit: 0,
+            pull: pull::Pull::default(),
         }
     }
 
@@ -294,7 +299,11 @@ impl<M: Delivered> Partition<M> {
         if !self.acks.is_empty() {
             return Some(Effect::Acks(std::mem::take(&mut self.acks)));
         }
-        (self.credit > 0).then(|| Effect::Credit(std::mem::take(&mut self.credit)))
+        (self.credit > 0).then(|| {
+            let credit = std::mem::take(&mut self.credit);
+            self.pull.outstanding = self.pull.outstanding.saturating_sub(credit);
+            Effect::Credit(credit)
+        })
     }
 
     /// The readiness machine, to read.
@@ -756,12 +765,14 @@ impl<M: Delivered> Partition<M> {
 
 mod commit;
 pub mod event;
+mod pull;
 mod route;
 mod stop;
 mod time;
 
 pub use commit::{AfterCommit, CommitPlan};
 pub use event::Event;
+pub use pull::{ClaimRequest, ClaimRetry, ClaimRules};
 pub use route::{Route, attempt_after_releases};
 pub use stop::{StopFacts, StopStep};
 pub use time::{DEAD_LETTER_RETRY, Timing};

@@ -10,6 +10,7 @@
 //! use.
 
 pub use super::commit::{CommitStarts, HookStarted, InitRan, Restored, StateRefused, StateStored};
+pub use super::pull::{ClaimFailed, ClaimReturned};
 pub use super::route::{ReleasesCounted, SuspectJudged};
 pub use super::stop::{DeliveryLost, Ended, StopAsked};
 use super::{Delivered, Finished, Held, Partition};
@@ -252,9 +253,9 @@ events! {
     HandBackUnstarted => (), |p, e, now| p.hand_back_unstarted();
     ReleaseAll => (), |p, e, now| p.release_all(e.interrupted);
     LeaseLost => (), |p, e, now| p.abandon();
-    Paused => (), |p, e, now| p.state.pause();
-    Resumed => (), |p, e, now| p.state.resume();
-    Stepped => bool, |p, e, now| p.state.step();
+    Paused => (), |p, e, now| { p.state.pause(); p.pull.paused_or_resumed() };
+    Resumed => (), |p, e, now| { p.state.resume(); p.pull.paused_or_resumed() };
+    Stepped => bool, |p, e, now| p.state.step() && { p.pull.stepped(); true };
     WindowDue => (), |p, e, now| p.state.request_window();
     TimersDue => (), |p, e, now| p.state.request_timer();
     CommitRequested => (), |p, e, now| p.state.request_commit();

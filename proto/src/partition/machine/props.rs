@@ -10,7 +10,9 @@
 //!   back — and is credited to the container exactly once, except what a stop hands back
 //!   mid-retry (it stays before the commit position);
 //! * an ordered partition's ack-alls go up, and never cover a message that did not
-//!   finish: the commit position stays before anything held, handed back or not started.
+//!   finish: the commit position stays before anything held, handed back or not started;
+//! * messages arrive only as claims bring them, and what is claimed and not credited
+//!   back is never more than the worker's room (`capacity`).
 
 use super::event as ev;
 use super::*;
@@ -115,16 +117,24 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
     let mut p =
         Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
     p.set_durable(durable);
+    let capacity = 5;
+    p.set_claims(ClaimRules { capacity, wait: Duration::from_secs(1), idle_wait: Duration::from_secs(5) });
     let mut seen = Seen::default();
     let mut arrived = 0u64;
     let mut stopped = false;
     for step in steps {
         match step {
-            Step::Arrive if !stopped => {
-                arrived += 1;
-                p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: arrived, delivered: 1 } }, now);
+            Step::Arrive => {
+                // A claim for what there is room for brings one message (a stopping
+                // worker claims nothing).
+                if let Some(claim) = p.poll_claim(now) {
+                    prop_assert!(!stopped, "a stopping worker claims");
+                    prop_assert!(claim.max >= 1 && claim.max <= capacity);
+                    p.handle(ev::ClaimReturned(1), now);
+                    arrived += 1;
+                    p.handle(ev::Arrived { kind: EnvelopeKind::Data, msg: Msg { seq: arrived, delivered: 1 } }, now);
+                }
             }
-            Step::Arrive => {}
             Step::Run(outcomes) => {
                 for outcome in outcomes {
                     let order = match p.next(now) {
@@ -185,6 +195,8 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         }
         drain(&mut p, &mut seen, ordered, now);
         check_counts(&p, max_concurrency)?;
+        prop_assert_eq!(p.outstanding() + seen.credit, arrived as usize, "claimed = outstanding + credited");
+        prop_assert!(p.outstanding() <= capacity, "{} outstanding, room for {}", p.outstanding(), capacity);
         prop_assert!(seen.commits.windows(2).all(|w| w[0] < w[1]), "ack-alls go up: {:?}", seen.commits);
         if let Some(&last) = seen.commits.last() {
             for h in p.held.values() {

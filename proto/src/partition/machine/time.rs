@@ -34,7 +34,7 @@ impl<M: Delivered> Partition<M> {
     /// Arms the deadlines the partition needs as of `now` (the commit interval once
     /// completions wait, keep-alives while anything is held, the callback check while
     /// callbacks run; none for an idle partition) and returns the earliest of them and
-    /// of the retries' back-offs: when to call [`handle_timeout`](Self::handle_timeout).
+    /// of the retries' and a failed claim's back-offs: when to call [`handle_timeout`](Self::handle_timeout).
     pub fn poll_timeout(&mut self, now: Instant) -> Option<Instant> {
         let timing = self.config.timing;
         if self.commit_at.is_none() && self.state.uncommitted() {
@@ -49,16 +49,23 @@ impl<M: Delivered> Partition<M> {
         {
             self.check_at = Some(now + every);
         }
-        [self.commit_at, self.keep_alive_at, self.check_at, self.backing_off.first().map(|(at, _)| *at)]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.commit_at,
+            self.keep_alive_at,
+            self.check_at,
+            self.backing_off.first().map(|(at, _)| *at),
+            self.pull.resume_at(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Time passed to `now`: what was due happens (retries become due, a commit is
     /// requested, held messages are kept alive). Returns the first message whose
     /// callback ran past its timeout, if one did: the task fails.
     pub fn handle_timeout(&mut self, now: Instant) -> Option<u64> {
+        self.pull.back_off_over(now);
         while let Some(&(at, order)) = self.backing_off.first()
             && at <= now
         {
