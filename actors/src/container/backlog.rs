@@ -22,7 +22,8 @@ impl Container {
                     let name = flotilla_transport::wire::StreamName::new(spec.stream.clone()).ok()?;
                     Some(self.subjects.ordered_partition(&name, p))
                 });
-                let source = BacklogSource { js: spec.js_stream.clone(), consumer: spec.consumer.clone(), subject };
+                let source =
+                    BacklogSource { js: spec.js_stream.to_string(), consumer: spec.consumer.to_string(), subject };
                 (*i, spec.stream.clone(), spec.partition, source)
             })
             .collect();

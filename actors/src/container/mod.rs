@@ -33,6 +33,7 @@ use crate::state::{CoordinatorRequests, ShutdownScope};
 use crate::task_worker::{ClaimCounts, Outcome, Source, StopWorker, WorkerControl, WorkerReport};
 use crate::timer_service::{After, Every, Tick, TimerService};
 use actix::prelude::*;
+use flotilla_proto::partition::machine::ClaimRules;
 use flotilla_transport::broker::SharedBroker;
 use flotilla_transport::wire::Subjects;
 use std::sync::Arc;
@@ -105,6 +106,8 @@ pub struct Container {
     observer: Option<Recipient<SlotEnded>>,
     /// Cluster mode: builds the slot of an ordered partition whose lease was acquired.
     partitions: Option<PartitionFactory>,
+    /// The claim rules of the slots, one copy per capacity.
+    claim_rules: std::collections::HashMap<usize, Arc<ClaimRules>>,
 }
 
 /// Builds the slot of an ordered partition: `(stream, partition, epoch, fence, paused)`.
@@ -151,6 +154,7 @@ impl Container {
             utilization: Utilization::default(),
             observer: None,
             partitions: None,
+            claim_rules: std::collections::HashMap::new(),
         }
     }
 
@@ -181,15 +185,18 @@ impl Container {
             timers: self.timers.clone(),
             reaper: self.reaper.clone(),
             start: slot.spec.start.clone(),
-            source: Source {
-                js_stream: slot.spec.js_stream.clone(),
-                consumer: slot.spec.consumer.clone(),
-                rules: flotilla_proto::partition::machine::ClaimRules {
-                    capacity: slot.spec.capacity,
-                    wait: self.config.claim_wait,
-                    idle_wait: self.config.idle_claim_wait,
-                },
-            },
+            source: Source { js_stream: slot.spec.js_stream.clone(), consumer: slot.spec.consumer.clone() },
+            claims: self
+                .claim_rules
+                .entry(slot.spec.capacity)
+                .or_insert_with(|| {
+                    Arc::new(ClaimRules {
+                        capacity: slot.spec.capacity,
+                        wait: self.config.claim_wait,
+                        idle_wait: self.config.idle_claim_wait,
+                    })
+                })
+                .clone(),
             paused: slot.paused,
             counts: slot.counts.clone(),
         });
@@ -366,8 +373,8 @@ impl Handler<Tick> for Container {
                 for s in self.slots.values().filter(|s| s.spec.sweep && s.live()) {
                     let sweep = Sweep {
                         stream: s.spec.stream.clone(),
-                        js_stream: s.spec.js_stream.clone(),
-                        consumer: s.spec.consumer.clone(),
+                        js_stream: s.spec.js_stream.to_string(),
+                        consumer: s.spec.consumer.to_string(),
                     };
                     let fut = self.reaper.send(sweep);
                     actix::spawn(async move {

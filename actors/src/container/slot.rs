@@ -25,8 +25,10 @@ pub struct SlotContext {
     /// Ordered inputs: where the partition resumes (see
     /// [`PartitionStart`](crate::task_worker::PartitionStart)).
     pub start: Option<crate::task_worker::PartitionStart>,
-    /// Where the worker claims from, and how.
+    /// Where the worker claims from.
     pub source: Source,
+    /// How it claims (one copy for the container's slots of the same capacity).
+    pub claims: Arc<flotilla_proto::partition::machine::ClaimRules>,
     /// The worker starts paused.
     pub paused: bool,
     /// What `status` shows of the slot's claims (the worker counts them).
@@ -43,9 +45,9 @@ pub struct SlotSpec {
     /// The partition (ordered inputs).
     pub partition: Option<u32>,
     /// The JetStream stream.
-    pub js_stream: String,
+    pub js_stream: std::rc::Rc<str>,
     /// The durable consumer.
-    pub consumer: String,
+    pub consumer: std::rc::Rc<str>,
     /// Messages the worker may hold at once (claimed, not yet finished).
     pub capacity: usize,
     /// What a failure of this slot's task does.

@@ -117,8 +117,8 @@ impl Job {
                         &env,
                         None,
                         slots.len(),
-                        subjects.stream_name(&name),
-                        Subjects::queue_consumer(&name),
+                        subjects.stream_name(&name).into(),
+                        Subjects::queue_consumer(&name).into(),
                         t.config.max_concurrency,
                         None,
                     );
@@ -139,8 +139,8 @@ impl Job {
                 &factory_env,
                 Some(p),
                 0,
-                factory_subjects.stream_name(&name),
-                Subjects::partition_consumer(&name, p),
+                factory_subjects.stream_name(&name).into(),
+                Subjects::partition_consumer(&name, p).into(),
                 c.window as usize,
                 Some((epoch, fence)),
             );

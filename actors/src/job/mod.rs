@@ -568,7 +568,8 @@ impl Job {
             Rc::new(TaskEnv::new(broker.clone(), self.codec, subjects.clone(), run_id).with_replicas(self.replicas));
         for t in &self.tasks {
             let name = StreamName::new(t.stream)?;
-            let js_stream = subjects.stream_name(&name);
+            // One copy per input, shared by its slots and their workers.
+            let js_stream: Rc<str> = subjects.stream_name(&name).into();
             let c = &t.config;
             match t.kind {
                 StreamKind::Ordered { partitions } => {
@@ -583,7 +584,7 @@ impl Job {
                             Some(p),
                             slots.len(),
                             js_stream.clone(),
-                            Subjects::partition_consumer(&name, p),
+                            Subjects::partition_consumer(&name, p).into(),
                             c.window as usize,
                             None,
                         );
@@ -600,7 +601,7 @@ impl Job {
                         None,
                         slots.len(),
                         js_stream.clone(),
-                        Subjects::queue_consumer(&name),
+                        Subjects::queue_consumer(&name).into(),
                         c.max_concurrency,
                         None,
                     ));
@@ -650,8 +651,8 @@ fn slot(
     env: &Rc<TaskEnv>,
     partition: Option<u32>,
     index: usize,
-    js_stream: String,
-    consumer: String,
+    js_stream: Rc<str>,
+    consumer: Rc<str>,
     capacity: usize,
     lease: Option<(u64, Fence)>,
 ) -> SlotSpec {

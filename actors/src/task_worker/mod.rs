@@ -378,7 +378,7 @@ impl<T: Task> TaskWorker<T> {
             part.set_blamed(start.blamed.clone());
         }
         part.set_suspects(suspects);
-        part.set_claims(slot.source.rules);
+        part.set_claims(slot.claims);
         if slot.paused {
             part.handle(ev::Paused, now());
         }

@@ -7,18 +7,15 @@
 //! abort it when the job ends.
 
 use super::*;
-use flotilla_proto::partition::machine::ClaimRules;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Where a worker claims from.
 #[derive(Debug, Clone)]
 pub struct Source {
     /// The JetStream stream.
-    pub js_stream: String,
+    pub js_stream: Rc<str>,
     /// The durable consumer.
-    pub consumer: String,
-    /// How it claims.
-    pub rules: ClaimRules,
+    pub consumer: Rc<str>,
 }
 
 /// What a slot's workers count of their claims, for `status`: each worker of the slot
@@ -69,8 +66,8 @@ pub(super) enum EndReport {
     /// Not ended, or the hand-over is on its way.
     #[default]
     Finishing,
-    /// Held back until the claim is back.
-    Held(WorkerReport),
+    /// Held back until the claim is back (boxed: a worker keeps this slot all its life).
+    Held(Box<WorkerReport>),
     /// Sent: the worker stops once the claim is back.
     Sent,
 }
@@ -125,7 +122,7 @@ impl<T: Task> TaskWorker<T> {
             return;
         }
         match at_end {
-            ClaimAtEnd::Wait => self.end = EndReport::Held(report),
+            ClaimAtEnd::Wait => self.end = EndReport::Held(Box::new(report)),
             ClaimAtEnd::HandBack => {
                 self.report(report);
                 self.end = EndReport::Sent;
@@ -156,7 +153,7 @@ impl<T: Task> TaskWorker<T> {
         }
         match std::mem::take(&mut self.end) {
             EndReport::Held(report) => {
-                self.report(report);
+                self.report(*report);
                 ctx.stop();
             }
             EndReport::Sent => ctx.stop(),

@@ -118,7 +118,7 @@ fn run(ordered: bool, durable: bool, max_concurrency: usize, steps: Vec<Step>) -
         Partition::new(Arc::new(config), TaskState::new([0], max_concurrency, false, "run"), Intake::after(None));
     p.set_durable(durable);
     let capacity = 5;
-    p.set_claims(ClaimRules { capacity, wait: Duration::from_secs(1), idle_wait: Duration::from_secs(5) });
+    p.set_claims(Arc::new(ClaimRules { capacity, wait: Duration::from_secs(1), idle_wait: Duration::from_secs(5) }));
     let mut seen = Seen::default();
     let mut arrived = 0u64;
     let mut stopped = false;

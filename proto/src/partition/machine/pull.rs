@@ -14,6 +14,7 @@
 use super::event::{Event, sealed};
 use super::{Delivered, Partition};
 use crate::backoff::{Backoff, CLAIM_FAILED};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How a worker claims (the same for all the slots of a container).
@@ -47,8 +48,9 @@ pub struct ClaimRequest {
 /// The claims of one worker.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Pull {
-    /// `None` until the worker is given its rules: it claims nothing.
-    rules: Option<ClaimRules>,
+    /// `None` until the worker is given its rules: it claims nothing. (Shared: a node
+    /// may hold thousands of partitions with the same rules.)
+    rules: Option<Arc<ClaimRules>>,
     /// Claimed and not yet credited back (finished, dropped or handed back).
     pub(super) outstanding: usize,
     /// A claim is out.
@@ -114,7 +116,7 @@ impl<M: Delivered> Event<M> for ClaimFailed {
 }
 
 impl Pull {
-    pub(super) fn new(rules: Option<ClaimRules>) -> Self {
+    pub(super) fn new(rules: Option<Arc<ClaimRules>>) -> Self {
         Self { rules, ..Self::default() }
     }
 
@@ -145,7 +147,7 @@ impl Pull {
 impl<M: Delivered> Partition<M> {
     /// The claims' rules of this worker (before its first claim; without them it
     /// claims nothing).
-    pub fn set_claims(&mut self, rules: ClaimRules) {
+    pub fn set_claims(&mut self, rules: Arc<ClaimRules>) {
         self.pull = Pull::new(Some(rules));
     }
 
@@ -160,12 +162,15 @@ impl<M: Delivered> Partition<M> {
         }
         let credit = self.credit;
         let pull = &mut self.pull;
-        let rules = pull.rules?;
+        let (capacity, wait) = match pull.rules.as_deref() {
+            Some(rules) => (rules.capacity, rules.wait_after(pull.empty)),
+            None => return None,
+        };
         pull.back_off_over(now);
         if pull.out || pull.resume_at.is_some() {
             return None;
         }
-        let mut room = rules.capacity.saturating_sub(pull.outstanding.saturating_sub(credit));
+        let mut room = capacity.saturating_sub(pull.outstanding.saturating_sub(credit));
         if paused {
             room = room.min(pull.steps as usize);
             pull.steps = 0;
@@ -174,7 +179,7 @@ impl<M: Delivered> Partition<M> {
             return None;
         }
         pull.out = true;
-        Some(ClaimRequest { max: room, wait: rules.wait_after(pull.empty) })
+        Some(ClaimRequest { max: room, wait })
     }
 
     /// A claim is out (the worker must not report its end before it is back when
@@ -229,7 +234,7 @@ mod tests {
     fn claims_only_what_there_is_room_for_one_at_a_time() {
         let mut p = ordered_part();
         assert_eq!(p.poll_claim(at(0)), None, "no rules, no claims");
-        p.set_claims(rules(10));
+        p.set_claims(Arc::new(rules(10)));
         let c = p.poll_claim(at(0)).expect("room for ten");
         assert_eq!(c, ClaimRequest { max: 10, wait: Duration::from_secs(1) });
         assert_eq!(p.poll_claim(at(0)), None, "one claim out at a time");
@@ -250,7 +255,7 @@ mod tests {
     #[test]
     fn empty_claims_wait_longer_and_a_message_resets_the_wait() {
         let mut p = ordered_part();
-        p.set_claims(rules(10));
+        p.set_claims(Arc::new(rules(10)));
         for expected in [1, 2, 4, 5] {
             assert_eq!(p.poll_claim(at(0)).map(|c| c.wait.as_secs()), Some(expected));
             p.handle(ev::ClaimReturned(0), at(0));
@@ -263,7 +268,7 @@ mod tests {
     #[test]
     fn a_failed_claim_backs_off_and_announces_the_first_and_every_tenth() {
         let mut p = ordered_part();
-        p.set_claims(rules(10));
+        p.set_claims(Arc::new(rules(10)));
         let mut announced = Vec::new();
         let mut now = at(0);
         for n in 1..=20u32 {
@@ -288,7 +293,7 @@ mod tests {
     #[test]
     fn paused_claims_only_for_steps_and_a_stop_claims_nothing() {
         let mut p = ordered_part();
-        p.set_claims(rules(10));
+        p.set_claims(Arc::new(rules(10)));
         p.handle(ev::Paused, at(0));
         assert_eq!(p.poll_claim(at(0)), None, "paused");
         assert!(p.handle(ev::Stepped, at(0)));
