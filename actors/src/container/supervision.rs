@@ -137,7 +137,8 @@ impl Container {
     pub(super) fn worker_finished(&mut self, i: usize, outcome: Outcome, ctx: &mut Context<Self>) {
         let Some(s) = self.slots.get_mut(&i) else { return };
         // A worker told to stop (a hand-over, the container's stop, its task's request)
-        // is not restarted, whatever it ended with.
+        // is not restarted, whatever it ended with (a failure still fails the container
+        // under `FailContainer`).
         let (told_to_stop, asked_to_end) = match &s.run {
             Run::Stopping { asked_to_end, .. } => (true, *asked_to_end),
             _ => (false, false),
@@ -148,11 +149,14 @@ impl Container {
         s.metrics.backlog.set(0.0);
         s.metrics.oldest_age.set(0.0);
         match &outcome {
-            Outcome::Failed(reason) if !stopping => match s.spec.policy {
+            Outcome::Failed(reason) if !self.stopping => match s.spec.policy {
                 FailurePolicy::FailContainer => {
                     self.failure =
                         Some(format!("task {} partition {:?} failed: {reason}", s.spec.stream, s.spec.partition));
                     self.stop_all(ctx);
+                }
+                FailurePolicy::RestartTask if told_to_stop => {
+                    info!(stream = %s.spec.stream, partition = s.spec.partition, %reason, "a task told to stop failed: not restarted");
                 }
                 FailurePolicy::RestartTask => {
                     // Back off exponentially, so a message that fails the task every

@@ -162,10 +162,10 @@ async fn a_partition_that_cannot_be_reset_is_handed_back_not_run() {
     assert_eq!(starts.get(), 1, "no worker started after a failed reset");
 }
 
-/// Cluster mode: a partition being handed over whose worker fails on its way out ends
-/// (its lease goes) instead of restarting: a worker told to stop is never restarted.
-#[actix_rt::test]
-async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
+/// Cluster mode: a partition being handed over whose worker fails on its way out, under
+/// `policy`. Returns how many workers started, whether the partition ended, and how
+/// the container exited (if it did).
+async fn hand_over_a_failing_worker(policy: FailurePolicy) -> (u32, bool, usize, Option<ContainerExit>) {
     tokio::time::pause();
     let broker = flotilla_transport::EmbeddedBroker::new().shared();
     let subjects = Subjects::new(flotilla_transport::wire::JobName::new("j").expect("name"));
@@ -181,7 +181,7 @@ async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
             js_stream: "FLOTILLA_j_in".into(),
             consumer: format!("in-p{p}").into(),
             capacity: 1,
-            policy: FailurePolicy::RestartTask,
+            policy,
             sweep: false,
             takeover: None,
             start: None,
@@ -198,7 +198,7 @@ async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
     });
     let ended = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let observer = Ends(ended.clone()).start();
-    let (tx, _rx) = oneshot::channel();
+    let (tx, mut rx) = oneshot::channel();
     let container = Container::new(broker, subjects, ContainerConfig::default(), Vec::new(), timers, reaper, tx)
         .observed_by(observer.recipient(), factory)
         .start();
@@ -212,9 +212,29 @@ async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(ended.lock().expect("lock").contains(&id), "the partition was never handed back");
+    let was_ended = ended.lock().expect("lock").contains(&id);
     // Longer than any restart back-off.
     tokio::time::sleep(Duration::from_secs(120)).await;
-    assert_eq!(starts.get(), 1, "a worker told to stop was restarted");
-    assert_eq!(container.send(SlotCount).await.expect("container"), 0, "the slot is gone");
+    let held = container.send(SlotCount).await.unwrap_or(0);
+    (starts.get(), was_ended, held, rx.try_recv().ok())
+}
+
+/// A worker told to stop is never restarted: the partition being handed over ends (its
+/// lease goes).
+#[actix_rt::test]
+async fn a_worker_failing_while_handed_over_ends_and_is_not_restarted() {
+    let (starts, ended, held, exit) = hand_over_a_failing_worker(FailurePolicy::RestartTask).await;
+    assert!(ended, "the partition was never handed back");
+    assert_eq!(starts, 1, "a worker told to stop was restarted");
+    assert_eq!(held, 0, "the slot is gone");
+    assert_eq!(exit, None, "a restartable task's failure does not end the container");
+}
+
+/// Under `FailContainer` the same failure still fails the container.
+#[actix_rt::test]
+async fn a_worker_failing_while_handed_over_fails_a_fail_container_task() {
+    let (starts, ended, _, exit) = hand_over_a_failing_worker(FailurePolicy::FailContainer).await;
+    assert!(ended, "the partition was never handed back");
+    assert_eq!(starts, 1);
+    assert!(matches!(exit, Some(ContainerExit::Failed(ref why)) if why.contains("failed on the way out")), "{exit:?}");
 }

@@ -94,9 +94,10 @@ impl<T: Task> TaskWorker<T> {
         }));
     }
 
-    /// Publishes what `status` shows of the claims.
+    /// Publishes what `status` shows of the claims (nothing once the worker ended: what
+    /// it released is not credited back, and is no longer this node's).
     pub(super) fn count_claims(&self) {
-        let outstanding = self.part.outstanding();
+        let outstanding = if self.part.ended() { 0 } else { self.part.outstanding() };
         self.counts.in_flight.store(outstanding as u64, Ordering::Relaxed);
         self.metrics.pending.set(outstanding as f64);
     }
